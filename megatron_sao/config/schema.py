@@ -1,0 +1,305 @@
+"""The typed configuration tree of a megatron-sao run.
+
+Every field is documented by the string under it; `sao config describe` prints these. Recipes
+(`recipes/*.yaml`) set a subset; dotted CLI overrides (`actor.lr=2e-6`) set the rest. Defaults are
+the paper's settings for Qwen3-30B-A3B math-with-Python where the paper gives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "sao"
+    """Run name: the run directory is `output_dir/name`, and the wandb run name."""
+    output_dir: str = "runs"
+    """Parent directory of run directories (resolved config, logs, checkpoints unless set)."""
+    seed: int = 1234
+    """Seed for model init, data order and sampling."""
+    total_steps: int = 1000
+    """Actor optimizer steps to run (critic-warmup steps included)."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    hf_path: str = ""
+    """HuggingFace checkpoint directory the actor and critic start from (config, tokenizer,
+    safetensors). Relative paths are resolved against the recipe file's directory's parent."""
+    build_tiny: bool = False
+    """Build a tiny random checkpoint at `hf_path` if none is there (CPU demo and tests). The
+    architecture overrides below then define its shape."""
+    tiny_family: str = "qwen3_moe"
+    """Model family of the tiny checkpoint (see megatron_sao.utils.tiny_hf.supported_families)."""
+    load_weights: bool = True
+    """Load the checkpoint's weights (False: random init with the checkpoint's architecture)."""
+    dtype: Dtype = "bfloat16"
+    """Parameter / compute dtype. CPU runs use float32."""
+    num_layers: int | None = None
+    """Architecture override: number of transformer layers (None keeps the checkpoint's)."""
+    hidden_size: int | None = None
+    """Architecture override: hidden size."""
+    num_attention_heads: int | None = None
+    """Architecture override: attention heads."""
+    num_query_groups: int | None = None
+    """Architecture override: key/value heads (GQA groups)."""
+    num_experts: int | None = None
+    """Architecture override: routed experts per MoE layer."""
+    moe_router_topk: int | None = None
+    """Architecture override: experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Architecture override: expert FFN hidden size."""
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """Megatron MoE token dispatcher."""
+    moe_aux_loss_coeff: float = 0.0
+    """Router load-balancing loss coefficient (RL usually leaves routing to the SFT model)."""
+    moe_grouped_gemm: bool = True
+    """Use grouped GEMM for experts (GPU only; forced off on CPU)."""
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation."""
+    provider_overrides: dict[str, Any] = field(default_factory=dict)
+    """Extra attributes set on megatron-bridge's model provider (an escape hatch; unknown
+    attribute names are rejected when the model is built)."""
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    tensor: int = 1
+    """Tensor-parallel size (TP)."""
+    pipeline: int = 1
+    """Pipeline-parallel size (PP)."""
+    virtual_pipeline: int | None = None
+    """Virtual pipeline stages per rank (interleaved schedule); None disables."""
+    expert: int = 1
+    """Expert-parallel size (EP)."""
+    expert_tensor: int | None = None
+    """Expert tensor-parallel size (ETP); None means equal to `tensor`."""
+    context: int = 1
+    """Context-parallel size (CP): sequence split across ranks for long rollouts."""
+    sequence_parallel: bool | None = None
+    """Sequence parallelism; None turns it on whenever tensor > 1 (required with MoE)."""
+    world_size: int | None = None
+    """Trainer processes per role. None: taken from the launcher (nnodes x nproc_per_node)."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the decay."""
+    lr_warmup_steps: int = 0
+    """Linear warmup steps."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warmup."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (Megatron distributed optimizer)."""
+
+
+@dataclass(kw_only=True)
+class RoleConfig:
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer of this role."""
+    trainable: list[str] = field(default_factory=lambda: ["all"])
+    """Parameter groups that train: any of all, attention, experts, router, shared_experts,
+    dense_mlp, embedding, norms, head; or `re:<regex>` over Megatron parameter names."""
+    frozen: list[str] = field(default_factory=list)
+    """Groups (same vocabulary) frozen even when listed in `trainable` (frozen wins)."""
+    micro_batch_size: int = 1
+    """Trajectories per forward/backward micro-batch."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget per micro-batch when packing trajectories (None: use micro_batch_size)."""
+
+
+@dataclass(kw_only=True)
+class ActorConfig(RoleConfig):
+    """The policy. Trains every parameter group by default (paper)."""
+
+
+@dataclass(kw_only=True)
+class CriticConfig(RoleConfig):
+    optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
+    """Optimizer of the critic (paper: lr 5e-6, 5x the actor's)."""
+    trainable: list[str] = field(default_factory=lambda: ["all"])
+    """Critic parameter groups that train."""
+    frozen: list[str] = field(default_factory=lambda: ["attention"])
+    """Critic groups kept frozen (paper: attention frozen during RL)."""
+    updates_per_actor_step: int = 2
+    """K: critic optimizer steps per actor step, on the same batch (paper: 2)."""
+    warmup_steps: int = 10
+    """First steps that update only the critic (paper: 10)."""
+    value_clip: float | None = None
+    """PPO-style value clipping range around rollout-time values (None: plain MSE)."""
+    value_head_init_std: float = 0.02
+    """Std of the value head's initialisation when the checkpoint has none."""
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    advantage: Literal["gae", "grpo", "running_mean", "step_level"] = "gae"
+    """Advantage estimator: SAO's skip-observation GAE, or an ablation baseline."""
+    policy_loss: Literal["dis", "ppo_clip"] = "dis"
+    """Policy loss: DIS (double-sided token mask, rollout log-probs) or PPO clip (GRPO runs)."""
+    eps_low: float = 0.3
+    """DIS band lower edge: tokens with rho <= 1 - eps_low are masked (paper math: 0.3)."""
+    eps_high: float = 5.0
+    """DIS band upper edge: tokens with rho >= 1 + eps_high are masked (paper math: 5.0)."""
+    clip_low: float = 0.2
+    """PPO clip lower range (GRPO baselines)."""
+    clip_high: float = 0.28
+    """PPO clip upper range (clip-higher)."""
+    gamma: float = 1.0
+    """Discount over action tokens."""
+    lambda_policy: float | None = None
+    """GAE lambda for policy advantages; None: length-adaptive 1 - 1/(alpha * l)."""
+    lambda_alpha: float = 1.5
+    """alpha of the length-adaptive lambda."""
+    lambda_critic: float = 1.0
+    """GAE lambda for value targets."""
+    bootstrap_truncated: bool = False
+    """Bootstrap truncated trajectories from V at their end instead of treating them terminal."""
+    group_size: int = 1
+    """Responses per prompt: 1 for SAO; 8 for GRPO baselines."""
+    grpo_normalize_std: bool = True
+    """GRPO: divide by the group's reward std."""
+    running_mean_window: int = 8
+    """Running-mean baseline window (rewards per prompt; or global when running_mean_scope=global)."""
+    running_mean_scope: Literal["prompt", "global"] = "prompt"
+    """Running-mean baseline scope."""
+    step_level_mode: Literal["average", "last"] = "average"
+    """Step-level advantage: a turn's value is the average or the last token's value."""
+    max_staleness: int = 4
+    """Largest actor_version - policy_version a token may have to be trained on."""
+
+
+@dataclass(kw_only=True)
+class SGLangConfig:
+    tensor: int = 1
+    """SGLang --tp-size per engine."""
+    expert: int = 1
+    """SGLang --ep-size per engine."""
+    data: int = 1
+    """SGLang --dp-size per engine."""
+    mem_fraction_static: float = 0.7
+    """SGLang --mem-fraction-static."""
+    extra_args: list[str] = field(default_factory=list)
+    """More `sglang.launch_server` arguments, verbatim."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engine: Literal["cpu", "sglang"] = "sglang"
+    """Rollout engine: SGLang servers (GPU) or the project's CPU engine speaking SGLang's protocol."""
+    num_engines: int = 1
+    """Engine servers to run."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang server options."""
+    environment: str = "math_python"
+    """Environment name (registry) or `module:Class`."""
+    reward: str = "math_equivalence"
+    """Reward function name (registry) or `module:function`."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    max_turns: int = 50
+    """Assistant turns before a trajectory is truncated (paper math: 50, SWE: 300)."""
+    max_new_tokens_per_turn: int = 8192
+    """Tokens one assistant turn may generate."""
+    max_total_tokens: int = 131072
+    """Context budget of a whole trajectory (prompt + actions + observations)."""
+    max_inflight_per_engine: int = 64
+    """Trajectories generating concurrently on one engine."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one sandboxed tool call."""
+    tool_memory_mb: int = 1024
+    """Memory limit of one sandboxed tool call."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_path: str = ""
+    """Prompt dataset (JSONL or Parquet; schema in docs/datasets-and-environments.md)."""
+    max_prompt_chars: int = 32768
+    """Longer prompts are skipped and counted."""
+    batch_size: int = 128
+    """B: completed trajectories (from B distinct prompts) per actor step (paper: 128)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded by run.seed)."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    wandb_project: str = "megatron-sao"
+    """wandb project."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode: offline by default (sync later with `wandb sync`)."""
+    log_every: int = 1
+    """Log metrics every N actor steps."""
+    param_table: bool = True
+    """Print the trainable / frozen parameter table at start."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint directory ('' = <run dir>/checkpoints)."""
+    save_every: int = 50
+    """Save every N actor steps (0: only at the end)."""
+    keep_last: int = 3
+    """Keep this many most recent checkpoints."""
+    resume: str = "auto"
+    """'auto' (latest in dir, if any), 'none', or a checkpoint path."""
+
+
+@dataclass(kw_only=True)
+class LauncherConfig:
+    kind: Literal["local", "slurm"] = "local"
+    """Where processes run: this machine, or a Slurm allocation."""
+    nnodes: int = 1
+    """Nodes."""
+    nproc_per_node: int = 1
+    """Trainer processes per node (one per GPU)."""
+    partition: str = ""
+    """Slurm partition."""
+    account: str = ""
+    """Slurm account."""
+    time_limit: str = "24:00:00"
+    """Slurm time limit."""
+    container_image: str = ""
+    """Container image for Slurm jobs (pyxis/enroot), see launchers/container/."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More #SBATCH lines, verbatim."""
+
+
+@dataclass(kw_only=True)
+class SaoConfig:
+    """A whole megatron-sao run."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -1,0 +1,89 @@
+"""Run a function on N local processes with torch.distributed initialised (gloo on CPU).
+
+What torchrun does for scripts, as a function call: used by multi-rank tests, by tools that
+convert checkpoints with several processes, and by the CPU demo. Results come back per rank;
+an exception on any rank is re-raised here with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from megatron_sao.platform.distributed import free_port
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised; the message carries its traceback."""
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    from megatron_sao.platform.distributed import destroy_distributed, init_distributed
+
+    try:
+        init_distributed()
+        result = fn(*args)
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            destroy_distributed()
+        except Exception:
+            pass
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+    """Call `fn(*args)` on `world_size` fresh processes; return the per-rank results in rank order.
+
+    `fn` must be importable (module level) and its arguments and result picklable.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size and not failures:
+            try:
+                rank, ok, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    failures.append(f"rank(s) {dead} died with exit code(s) "
+                                    f"{[procs[r].exitcode for r in dead]} before reporting")
+                elif time.monotonic() > deadline:
+                    failures.append(f"timed out after {timeout_s:.0f} s waiting for ranks "
+                                    f"{sorted(set(range(world_size)) - set(results))}")
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"rank {rank} failed:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if failures else 60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise RankFailed("\n".join(failures))
+    return [results[r] for r in range(world_size)]
