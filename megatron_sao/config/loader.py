@@ -20,6 +20,9 @@ import yaml
 from megatron_sao.config.schema import SaoConfig
 
 COMMAND_LINE = "command line"
+# Input paths written in a recipe are relative to that recipe file (so recipes work from any
+# working directory); on the command line they are relative to the working directory.
+RECIPE_RELATIVE_PATHS = ("model.hf_path", "data.train_path")
 
 
 class ConfigError(ValueError):
@@ -46,6 +49,9 @@ def _type_name(hint: Any) -> str:
         return "null"
     if get_origin(hint) is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(hint))
+    plain = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+    if hint in plain:
+        return plain[hint]
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
@@ -198,6 +204,12 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
         node[parts[-1]] = value
         sources[key] = COMMAND_LINE
         raw[key] = raw_value
+    for key in RECIPE_RELATIVE_PATHS:
+        section, name = key.split(".")
+        value = data.get(section, {}).get(name) if isinstance(data.get(section), dict) else None
+        source = sources.get(key, COMMAND_LINE)
+        if isinstance(value, str) and value and source != COMMAND_LINE and not Path(value).is_absolute():
+            data[section][name] = str((Path(source).parent / value).resolve())
     config = _build(SaoConfig, data, sources, raw, "")
     validate_config(config, source=str(recipe) if recipe is not None else COMMAND_LINE)
     return config

@@ -29,7 +29,7 @@ class RunConfig:
 class ModelConfig:
     hf_path: str = ""
     """HuggingFace checkpoint directory the actor and critic start from (config, tokenizer,
-    safetensors). Relative paths are resolved against the recipe file's directory's parent."""
+    safetensors). In a recipe, a relative path is relative to the recipe file."""
     build_tiny: bool = False
     """Build a tiny random checkpoint at `hf_path` if none is there (CPU demo and tests). The
     architecture overrides below then define its shape."""
@@ -235,7 +235,8 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     train_path: str = ""
-    """Prompt dataset (JSONL or Parquet; schema in docs/datasets-and-environments.md)."""
+    """Prompt dataset (JSONL or Parquet; schema in docs/datasets-and-environments.md). In a
+    recipe, a relative path is relative to the recipe file."""
     max_prompt_chars: int = 32768
     """Longer prompts are skipped and counted."""
     batch_size: int = 128

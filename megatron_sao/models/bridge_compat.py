@@ -74,8 +74,8 @@ class _TEStubModule(types.ModuleType):
 def _install_te_stub() -> None:
     # Megatron-Core's own `try: import transformer_engine` probes must conclude HAVE_TE=False
     # before the stub exists, so import them first.
-    import megatron.core.extensions  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.extensions
+    import megatron.core.models.gpt.gpt_layer_specs
     import megatron.core.transformer.moe.moe_utils  # noqa: F401
 
     root = _TEStubModule("transformer_engine")

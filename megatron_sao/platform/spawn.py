@@ -7,6 +7,7 @@ an exception on any rank is re-raised here with that rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_module
 import time
@@ -28,8 +29,19 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    import logging
+    import warnings
+
     import torch
 
+    # Spawned children start with default logging: rank 0 speaks, the others only warn; the
+    # libraries' per-bucket / per-plugin chatter is kept out of the job's output.
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
+                        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    for noisy in ("megatron.core", "megatron.bridge", "modelopt"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     from megatron_sao.platform.distributed import destroy_distributed, init_distributed
 
@@ -40,10 +52,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        try:
+        with contextlib.suppress(Exception):  # teardown after a failure must not mask it
             destroy_distributed()
-        except Exception:
-            pass
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:

@@ -20,7 +20,7 @@ def fixed_batch(vocab: int = 300) -> dict[str, torch.Tensor]:
 def _full_logits(chunks, batch):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_sao.training.forward_backward import broadcast_from_last_stage, run_forward_backward
+    from megatron_sao.training.forward_backward import run_forward_backward
 
     out = run_forward_backward(chunks, [batch], lambda m, b: m(b["input_ids"], b["position_ids"],
                                b["attention_mask"]), loss_fn=None, forward_only=True)
@@ -76,10 +76,7 @@ def run_layout(hf_dir: str, overrides: list[str]) -> dict:
             return model(b["input_ids"], b["position_ids"], b["attention_mask"])
 
         def loss_fn(output, b, role=role):
-            if role == "actor":
-                token_loss = output.float()
-            else:
-                token_loss = (values_from_head(output) - b["value_targets"]) ** 2
+            token_loss = output.float() if role == "actor" else (values_from_head(output) - b["value_targets"]) ** 2
             n = torch.tensor(token_loss.numel(), dtype=torch.int)
             return token_loss.sum(), n, {"loss": token_loss.sum().detach()}
 

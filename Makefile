@@ -1,0 +1,30 @@
+# The two commands of the README's quick start, plus a few more. Each sets up ./.venv first.
+SHELL := /bin/bash
+VENV := .venv
+PYTEST := $(VENV)/bin/python -m pytest
+export HF_HUB_OFFLINE := 1
+export WANDB_MODE ?= offline
+export RAY_AUTH_MODE := disabled
+
+.PHONY: setup demo test test-slow lint clean
+
+setup:
+	@bash tools/setup_env.sh
+
+# Main job on the embedded default: the tiny MoE on CPU (recipes/tiny_cpu.yaml).
+demo: setup
+	$(VENV)/bin/sao train recipes/tiny_cpu.yaml
+
+# Default test suite (CPU; GPU tests skip; slow tests excluded). Exits non-zero on any failure.
+test: setup
+	$(PYTEST) -q -m "not slow" --timeout=900 tests
+
+# Longer tests (run separately).
+test-slow: setup
+	$(PYTEST) -q -m slow --timeout=1800 tests
+
+lint: setup
+	$(VENV)/bin/ruff check megatron_sao tests tools
+
+clean:
+	rm -rf runs .pytest_cache

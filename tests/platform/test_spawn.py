@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_sao.platform import RankFailed, run_distributed
+
+
+def _all_reduce_rank() -> tuple[int, int, float]:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), float(t)
+
+
+def _fail_on_rank_one() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+
+
+def test_ranks_communicate_over_gloo():
+    assert run_distributed(_all_reduce_rank, 2) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_rank_failure_is_reported_with_traceback():
+    with pytest.raises(RankFailed, match=r"rank 1 failed:(.|\n)*boom on rank one"):
+        run_distributed(_fail_on_rank_one, 2, timeout_s=120)
+
+
+def _backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend()
+
+
+def test_backend_follows_the_machine():
+    assert run_distributed(_backend, 1) == ["nccl" if torch.cuda.is_available() else "gloo"]
