@@ -112,14 +112,14 @@ def smoke_rank(config: SaoConfig, run_dir: str) -> dict[str, Any]:
 def run_smoke(config: SaoConfig, run_dir: Path) -> list[dict[str, Any]]:
     """Run the smoke job on `nproc_per_node` local processes (world_size from the config)."""
     from megatron_sao.config.validate import trainer_world_size
-    from megatron_sao.models.build import prepare_hf_checkpoint
+    from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.platform import run_distributed
     from megatron_sao.utils.run_logging import MetricsLogger
 
     if config.launcher.kind != "local" or config.launcher.nnodes != 1:
         raise NotImplementedError("multi-node / Slurm launch is the Slurm-launchers issue; "
                                   "set launcher.kind=local launcher.nnodes=1")
-    prepare_hf_checkpoint(config.model, seed=config.run.seed)  # build once, before ranks race for it
+    check_layout_fits_model(config)  # also builds a tiny checkpoint once, before ranks race for it
     world = trainer_world_size(config)
     results = run_distributed(smoke_rank, world, config, str(run_dir))
     history = results[0]["history"]

@@ -8,6 +8,7 @@ turns the critic's LM head into a value head, and sets which parameter groups tr
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_sao.config.schema import ModelConfig, RoleConfig, SaoConfig
-from megatron_sao.config.validate import expert_tensor_size, sequence_parallel_enabled
+from megatron_sao.config.validate import expert_tensor_size, sequence_parallel_enabled, validate_against_model
 from megatron_sao.models.bridge_compat import load_auto_bridge
 from megatron_sao.models.param_groups import GroupCount, apply_trainable, format_param_table
 from megatron_sao.models.value_head import ValueHead
@@ -73,6 +74,38 @@ def prepare_hf_checkpoint(model: ModelConfig, seed: int = 0) -> Path:
     hf_overrides = {ARCH_OVERRIDES[k][0]: v for k, v in arch_overrides(model).items()}
     logger.info("building tiny %s checkpoint at %s (%s)", model.tiny_family, path, hf_overrides)
     return build_tiny_hf_checkpoint(path, family=model.tiny_family, seed=seed, **hf_overrides)
+
+
+# HF config field names of the architecture numbers the parallel layout must divide, per family.
+_HF_ARCH_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_hidden_layers",),
+    "num_attention_heads": ("num_attention_heads",),
+    "num_query_groups": ("num_key_value_heads",),
+    "num_experts": ("num_experts", "n_routed_experts", "num_local_experts"),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+}
+
+
+def model_architecture(config: SaoConfig) -> dict[str, int]:
+    """Layers, heads, query groups, experts, expert FFN size of the model the config builds."""
+    hf_path = prepare_hf_checkpoint(config.model, seed=config.run.seed)
+    hf_config = json.loads((hf_path / "config.json").read_text())
+    hf_config = {**hf_config, **hf_config.get("text_config", {})}
+    arch = {}
+    for key, names in _HF_ARCH_FIELDS.items():
+        for name in names:
+            if isinstance(hf_config.get(name), int):
+                arch[key] = hf_config[name]
+                break
+    if not config.model.load_weights:
+        arch.update(arch_overrides(config.model))
+    return arch
+
+
+def check_layout_fits_model(config: SaoConfig, source: str = "config") -> None:
+    """Reject a parallel layout the model cannot be split into (heads / TP, experts / EP, layers / PP)
+    before any process starts."""
+    validate_against_model(config, model_architecture(config), source=source)
 
 
 def _configure_provider(provider: Any, config: SaoConfig) -> None:
@@ -132,6 +165,7 @@ def build_provider(config: SaoConfig) -> tuple[Any, Any]:
             "weights are loaded (model.load_weights=true): the shapes would not match"
         )
     hf_path = prepare_hf_checkpoint(model, seed=config.run.seed)
+    check_layout_fits_model(config)
     bridge = load_auto_bridge(str(hf_path))
     provider = bridge.to_megatron_provider(load_weights=model.load_weights)
     _configure_provider(provider, config)

@@ -132,3 +132,20 @@ def test_param_group_vocabulary_matches_models():
     from megatron_sao.models.param_groups import GROUPS
 
     assert ("all", *GROUPS) == PARAM_GROUPS
+
+
+def test_layout_must_fit_the_model(tmp_path):
+    from megatron_sao.models.build import check_layout_fits_model
+
+    hf = tmp_path / "hf"
+    ok = load_config(TINY, [f"model.hf_path={hf}"])
+    check_layout_fits_model(ok)  # builds the tiny checkpoint: 4 heads, 2 query groups, 4 experts, 2 layers
+    with pytest.raises(ConfigError, match=r"parallelism\.tensor = 4 does not divide the model's num_query_groups = 2"):
+        check_layout_fits_model(load_config(TINY, [f"model.hf_path={hf}", "parallelism.tensor=4",
+                                                   "parallelism.expert=1", "parallelism.world_size=4"]))
+    with pytest.raises(ConfigError, match=r"num_experts = 4"):
+        check_layout_fits_model(load_config(TINY, [f"model.hf_path={hf}", "parallelism.expert=8",
+                                                   "parallelism.world_size=8"]))
+    with pytest.raises(ConfigError, match=r"num_layers = 2"):
+        check_layout_fits_model(load_config(TINY, [f"model.hf_path={hf}", "parallelism.pipeline=4",
+                                                   "parallelism.expert=1", "parallelism.world_size=4"]))
