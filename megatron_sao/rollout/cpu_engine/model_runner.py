@@ -1,0 +1,104 @@
+"""The model side of the CPU engine: load an HF causal LM, run batched prefill and decode steps.
+
+Prefill left-pads a group of new sequences to a common length and returns the logits of each
+row's last position; decode feeds one pending token per row. Both use `RowKVCache`, with
+`position_ids` counted from each row's first real token, so a row's numbers do not depend on the
+padding its batch-mates impose (up to floating-point reassociation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Owns the model and tokenizer. Not thread-safe: only the scheduler thread calls it."""
+
+    def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.model_path = str(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        self.model.eval()
+        for param in self.model.parameters():
+            param.requires_grad_(False)
+        self.config = self.model.config
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.vocab_size = int(self.config.vocab_size)
+        self.context_length = int(getattr(self.config, "max_position_embeddings", 1 << 20))
+        eos: set[int] = set()
+        sources: list[object] = [self.config.eos_token_id, self.tokenizer.eos_token_id]
+        with contextlib.suppress(OSError):  # no generation_config.json: config's EOS only
+            sources.append(GenerationConfig.from_pretrained(self.model_path).eos_token_id)
+        for ids in sources:
+            if ids is None:
+                continue
+            eos.update([int(ids)] if isinstance(ids, int) else (int(i) for i in ids))  # type: ignore[union-attr]
+        self.eos_token_ids = frozenset(eos)
+
+    @torch.inference_mode()
+    def prefill(self, sequences: Sequence[list[int]]) -> tuple[RowKVCache, torch.Tensor]:
+        """Run `sequences` (token lists, >= 1 token each) through the model.
+
+        Returns the new cache (all tokens cached, left-padded to the longest) and the float32
+        logits [b, V] of each sequence's last token.
+        """
+        lengths = [len(s) for s in sequences]
+        assert min(lengths) >= 1
+        b, P = len(sequences), max(lengths)
+        input_ids = torch.zeros((b, P), dtype=torch.long)
+        new_columns = torch.zeros((b, P), dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            input_ids[i, P - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            new_columns[i, P - len(seq) :] = 1
+        position_ids = (new_columns.cumsum(dim=1) - 1).clamp(min=0)
+        cache = RowKVCache(self.num_layers, b)
+        attention_mask = cache.mask_with_new_columns(new_columns)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache, out.logits[:, -1, :].float()
+
+    @torch.inference_mode()
+    def decode(self, cache: RowKVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step: feed `tokens` [B] at `positions` [B]; returns float32 logits [B, V]."""
+        attention_mask = cache.mask_with_new_columns(torch.ones((tokens.shape[0], 1), dtype=torch.long))
+        out = self.model(
+            input_ids=tokens.unsqueeze(1),
+            attention_mask=attention_mask,
+            position_ids=positions.unsqueeze(1),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1, :].float()
+
+    @torch.inference_mode()
+    def full_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """log_softmax of the logits at every position of one unpadded sequence, float32 [n, V]
+        (a reference for tests: no cache, no padding)."""
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)

@@ -1,0 +1,346 @@
+"""The CPU engine's scheduler: continuous batching on one thread that owns the model.
+
+Every request joins a FIFO waiting queue. Between decode steps the scheduler admits waiting
+requests (a length-grouped, left-padded prefill, bounded by `max_prefill_tokens`), merges them
+into the running batch, runs one decode step for all running rows, and answers the rows that
+finished. Control operations (abort, pause / continue, weight updates, flush) are closures queued
+to the same thread and run between steps, so the model is never touched concurrently and a weight
+update lands on a step boundary: requests in flight continue with their cached KV under the new
+weights and their later tokens carry the new version (SGLang's `pause_generation(in_place)` ->
+update -> `continue_generation` behaviour, recorded per token in `weight_versions` spans).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
+from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
+from megatron_sao.rollout.cpu_engine.request import EngineRequest, abort_reason
+from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams, sample_tokens
+from megatron_sao.rollout.cpu_engine.weights import HFWeightMap
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_steps: int = 0
+    num_prefills: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+
+
+def _length_groups(requests: list[EngineRequest], max_waste: float = 0.5) -> list[list[EngineRequest]]:
+    """Split length-sorted requests into prefill groups whose left padding wastes at most
+    `max_waste` of the group's tokens."""
+    groups: list[list[EngineRequest]] = []
+    current: list[EngineRequest] = []
+    total = 0
+    for req in requests:
+        n = len(req.input_ids) + len(req.output_ids)
+        if current and n * (len(current) + 1) > (1.0 + max_waste) * (total + n) + 64:
+            groups.append(current)
+            current, total = [], 0
+        current.append(req)
+        total += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_running_requests: int = 64,
+        max_prefill_tokens: int = 16384,
+        weight_version: str = "default",
+        seed: int = 0,
+        return_original_logprob: bool = False,
+    ) -> None:
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        self.runner = runner
+        self.weight_map = HFWeightMap(runner.model)
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self.return_original_logprob = return_original_logprob
+        self.global_generator = torch.Generator().manual_seed(seed)
+        self.stats = SchedulerStats()
+        self.paused = False
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
+        self._cache: RowKVCache | None = None
+        self._positions = torch.zeros(0, dtype=torch.long)  # [B] position of each row's pending token
+        self._pending = torch.zeros(0, dtype=torch.long)  # [B] last sampled token, not yet cached
+        self._params: BatchSamplingParams | None = None
+        self._rids: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
+        self.last_progress = time.monotonic()
+
+    # ---- thread-safe API ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        error = RuntimeError("the CPU engine is shutting down")
+        for req in [*self._waiting, *self._running]:
+            req.fail(error)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the scheduler thread between steps; its result or exception lands in the
+        returned future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RuntimeError("the CPU engine scheduler is not running"))
+            return future
+        self._commands.put((fn, future))
+        return future
+
+    def submit(self, request: EngineRequest) -> concurrent.futures.Future:
+        """Queue a request; its future resolves to the finished request."""
+        self.call(lambda: self._add(request)).add_done_callback(
+            lambda f: request.fail(f.exception()) if f.exception() else None
+        )
+        return request.future
+
+    # ---- control operations (run on the scheduler thread via call()) -------------------------
+
+    def _add(self, request: EngineRequest) -> None:
+        if request.rid in self._rids:
+            raise ValueError(f"duplicate request id {request.rid!r}")
+        if request.max_new_tokens == 0:
+            request.finish({"type": "length", "length": 0})
+            return
+        self._rids.add(request.rid)
+        self._waiting.append(request)
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, exact: bool = False, message: str = "") -> int:
+        """Finish matching requests with finish_reason abort (partial output kept). SGLang
+        matches `rid` as a prefix of request ids; `exact` matches it exactly. Scheduler thread."""
+        if not abort_all and not rid:
+            raise ValueError("abort needs a rid or abort_all=true")
+
+        def matches(req: EngineRequest) -> bool:
+            return abort_all or (req.rid == rid if exact else req.rid.startswith(rid or ""))
+
+        count = 0
+        for req in [r for r in self._waiting if matches(r)]:
+            self._waiting.remove(req)
+            self._finish(req, abort_reason(message or "Abort in waiting queue"))
+            count += 1
+        keep = [i for i, r in enumerate(self._running) if not matches(r)]
+        for req in self._running:
+            if not matches(req):
+                continue
+            self._finish(req, abort_reason(message or "Abort requested"))
+            count += 1
+        self._keep_rows(keep)
+        self.stats.aborted_requests += count
+        return count
+
+    def pause(self, mode: PauseMode) -> None:
+        """Scheduler thread. `abort`: abort everything; `retract`: running requests go back to
+        the queue and will be re-prefilled (cache dropped); `in_place`: keep everything."""
+        if mode == "abort":
+            self.abort(abort_all=True, message="Abort by pause_generation")
+        elif mode == "retract":
+            for req in reversed(self._running):
+                self._waiting.appendleft(req)
+            self._keep_rows([])
+        elif mode != "in_place":
+            raise ValueError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def apply_weights(self, named: dict[str, torch.Tensor], weight_version: str | None) -> None:
+        """Scheduler thread: copy HF-named tensors into the model, then bump the version."""
+        self.weight_map.copy_(named)
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+
+    def is_idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    def busy_and_progressing(self, within_s: float) -> bool:
+        """Work in flight and a step finished within `within_s` (read from other threads: a
+        stale answer is harmless, it only decides whether a health probe must be queued)."""
+        return bool(self._waiting or self._running) and time.monotonic() - self.last_progress < within_s
+
+    def load(self) -> dict[str, int]:
+        return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            has_work = not self.paused and bool(self._waiting or self._running)
+            self._drain_commands(block=not has_work)
+            if self.paused or not (self._waiting or self._running):
+                continue
+            try:
+                self._admit()
+                if self._running:
+                    self._decode_step()
+                self.last_progress = time.monotonic()
+            except Exception as e:  # a model error must not take the server down with it
+                logger.exception("CPU engine step failed; aborting all requests")
+                for req in [*self._waiting, *self._running]:
+                    self._finish(req, abort_reason(f"engine error: {e!r}", status_code=500))
+                self._waiting.clear()
+                self._keep_rows([])
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:
+                    future.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self) -> None:
+        free = self.max_running_requests - len(self._running)
+        chosen: list[EngineRequest] = []
+        tokens = 0
+        while self._waiting and len(chosen) < free:
+            n = len(self._waiting[0].input_ids) + len(self._waiting[0].output_ids)
+            if chosen and tokens + n > self.max_prefill_tokens:
+                break
+            chosen.append(self._waiting.popleft())
+            tokens += n
+        if not chosen:
+            return
+        chosen.sort(key=lambda r: len(r.input_ids) + len(r.output_ids))
+        for group in _length_groups(chosen):
+            self._prefill(group)
+
+    def _prefill(self, group: list[EngineRequest]) -> None:
+        sequences = [r.input_ids + r.output_ids for r in group]
+        cache, logits = self.runner.prefill(sequences)
+        self.stats.num_prefills += 1
+        self.stats.prefill_tokens += sum(len(s) for s in sequences)
+        params = BatchSamplingParams.build([r.sampling for r in group])
+        tokens, logprobs = sample_tokens(
+            logits, params, [r.generator for r in group], self.global_generator, self.return_original_logprob
+        )
+        keep = self._append_and_check(group, tokens.tolist(), logprobs.tolist())
+        if not keep:
+            return
+        if len(keep) < len(group):
+            cache.select_rows(keep)
+        kept = [group[i] for i in keep]
+        positions = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in kept], dtype=torch.long)
+        if self._cache is None or not self._running:
+            self._cache = cache
+        else:
+            self._cache.merge(cache)
+        self._running.extend(kept)
+        self._positions = torch.cat([self._positions, positions])
+        self._pending = torch.cat([self._pending, tokens[keep]])
+        self._params = None
+
+    def _decode_step(self) -> None:
+        assert self._cache is not None
+        logits = self.runner.decode(self._cache, self._pending, self._positions)
+        self._positions = self._positions + 1
+        if self._params is None:
+            self._params = BatchSamplingParams.build([r.sampling for r in self._running])
+        tokens, logprobs = sample_tokens(
+            logits,
+            self._params,
+            [r.generator for r in self._running],
+            self.global_generator,
+            self.return_original_logprob,
+        )
+        self.stats.num_steps += 1
+        self._pending = tokens
+        keep = self._append_and_check(self._running, tokens.tolist(), logprobs.tolist())
+        if len(keep) < len(self._running):
+            self._keep_rows(keep)
+
+    def _append_and_check(self, requests: list[EngineRequest], tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Record one sampled token per request; finish the ones that are done. Returns the
+        indices of the requests that continue."""
+        keep = []
+        version = self.weight_version
+        for i, req in enumerate(requests):
+            req.append(tokens[i], logprobs[i], version)
+            reason = self._finish_reason(req)
+            if reason is None:
+                keep.append(i)
+            else:
+                self._finish(req, reason)
+        self.stats.generated_tokens += len(requests)
+        return keep
+
+    def _finish_reason(self, req: EngineRequest) -> dict[str, Any] | None:
+        """SGLang's `Req.check_finished` order: length first, then stop tokens, then strings."""
+        if len(req.output_ids) >= req.max_new_tokens:
+            return {"type": "length", "length": req.max_new_tokens}
+        last = req.output_ids[-1]
+        if not req.sampling.ignore_eos and (last in req.sampling.stop_token_ids or last in self.runner.eos_token_ids):
+            return {"type": "stop", "matched": last}
+        if req.sampling.stop:
+            tail = self.runner.tokenizer.decode(req.output_ids[-req.stop_window :])
+            for stop in req.sampling.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+    def _finish(self, req: EngineRequest, reason: dict[str, Any]) -> None:
+        self._rids.discard(req.rid)
+        self.stats.finished_requests += 1
+        req.finish(reason)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Shrink the running batch to the rows `keep` (indices into the current batch)."""
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[i] for i in keep]
+        self._params = None
+        if not keep:
+            self._cache = None
+            self._positions = torch.zeros(0, dtype=torch.long)
+            self._pending = torch.zeros(0, dtype=torch.long)
+            return
+        assert self._cache is not None
+        self._cache.select_rows(keep)
+        self._cache.drop_unused_left_columns()
+        self._positions = self._positions[keep]
+        self._pending = self._pending[keep]

@@ -1,0 +1,270 @@
+"""The CPU engine's HTTP server: SGLang's native endpoints over the scheduler.
+
+Endpoints, request bodies and response shapes follow SGLang's `http_server.py` and
+`io_struct.py` (sglang 0.5.x); see docs/rollout.md for the list and for the differences (no
+streaming, no prompt log-probs, no prefix cache, tensor payloads in safetensors form). Errors
+come back as SGLang's `{"error": {"message": ...}}` with status 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner, parse_dtype
+from megatron_sao.rollout.cpu_engine.protocol import build_output, parse_generate
+from megatron_sao.rollout.cpu_engine.request import EngineRequest
+from megatron_sao.rollout.cpu_engine.sampling import SamplingConfig
+from megatron_sao.rollout.cpu_engine.scheduler import Scheduler
+from megatron_sao.rollout.cpu_engine.weight_routes import register_weight_routes
+
+logger = logging.getLogger(__name__)
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
+
+
+@dataclass(kw_only=True, slots=True)
+class CPUEngineConfig:
+    """Options of `python -m megatron_sao.rollout.cpu_engine` (one field per flag)."""
+
+    model_path: str
+    """HF checkpoint directory (config, safetensors, tokenizer)."""
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "float32"
+    """Model dtype: float32 (default; log-probs match an fp32 trainer), bfloat16 or float16."""
+    threads: int | None = 1
+    """torch intra-op threads (None: torch's default). One is fastest for the tiny test models and
+    on shared machines, where OpenMP spinning on oversubscribed cores costs 10x; raise it for
+    bigger models on dedicated cores."""
+    max_running_requests: int = 64
+    """Rows in the running batch (continuous batching admits new requests as rows finish)."""
+    max_prefill_tokens: int = 16384
+    """Tokens prefilled per scheduling round, so long prompts do not starve decoding."""
+    weight_version: str = "default"
+    """Initial weight version label (SGLang's --weight-version)."""
+    random_seed: int = 0
+    """Seed of the sampler used by requests without their own sampling_seed."""
+    return_original_logprob: bool = False
+    """Return temperature-1 log-probs (SGLang: SGLANG_RETURN_ORIGINAL_LOGPROB=1)."""
+
+
+class CPUEngine:
+    """Model runner + scheduler + the state the endpoints share."""
+
+    def __init__(self, config: CPUEngineConfig) -> None:
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.runner = ModelRunner(config.model_path, parse_dtype(config.dtype))
+        self.scheduler = Scheduler(
+            self.runner,
+            max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            weight_version=config.weight_version,
+            seed=config.random_seed,
+            return_original_logprob=config.return_original_logprob,
+        )
+        self.groups: dict[str, Any] = {}
+        self.started_at = time.time()
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+
+def _error(message: str, status_code: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status_code)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if not body:
+        return {}
+    data = await request.json()
+    if not isinstance(data, dict):
+        raise ValueError("the request body must be a JSON object")
+    return data
+
+
+async def _await_requests(requests: list[EngineRequest], engine: CPUEngine, http: Request) -> None:
+    """Wait for `requests`; abort them if the client goes away (SGLang does the same)."""
+    futures = [asyncio.wrap_future(r.future) for r in requests]
+    pending = set(futures)
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+        if pending and await http.is_disconnected():
+            for req in requests:
+                engine.scheduler.call(lambda rid=req.rid: engine.scheduler.abort(rid=rid, exact=True))
+            await asyncio.wait(pending)
+    for f in futures:
+        f.result()
+
+
+def create_app(engine: CPUEngine) -> FastAPI:
+    app = FastAPI(title="megatron-sao CPU engine")
+    sched = engine.scheduler
+    tok = engine.runner.tokenizer
+
+    async def on_scheduler(fn):
+        return await asyncio.wrap_future(sched.call(fn))
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(http: Request):
+        try:
+            parsed = parse_generate(await _json(http), tok, engine.runner.context_length, engine.runner.vocab_size)
+        except ValueError as e:
+            return _error(str(e))
+        for req in parsed.requests:
+            sched.submit(req)
+        try:
+            await _await_requests(parsed.requests, engine, http)
+        except ValueError as e:  # e.g. a duplicate rid, refused on the scheduler thread
+            return _error(str(e))
+        outs = [build_output(r, tok, sched.weight_version) for r in parsed.requests]
+        return JSONResponse(outs if parsed.is_batch else outs[0])
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health_generate():
+        if not sched.alive:
+            return Response(status_code=503)
+        if sched.busy_and_progressing(within_s=5.0):  # SGLang too answers from recent progress
+            return Response(status_code=200)
+        if sched.paused:  # SGLang's probe would queue behind the pause; liveness is what we can say
+            try:
+                await asyncio.wait_for(on_scheduler(lambda: None), HEALTH_CHECK_TIMEOUT_S)
+            except TimeoutError:
+                return Response(status_code=503)
+            return Response(status_code=200)
+        probe = EngineRequest(
+            rid=f"HEALTH_CHECK_{time.time()}",
+            input_ids=[0],
+            sampling=SamplingConfig.from_request({"max_new_tokens": 1, "temperature": 0.0}),
+            max_new_tokens=1,
+        )
+        sched.submit(probe)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(probe.future), HEALTH_CHECK_TIMEOUT_S)
+        except (TimeoutError, RuntimeError, ValueError):
+            sched.call(lambda: sched.abort(rid=probe.rid, exact=True))
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {
+            "model_path": engine.runner.model_path,
+            "tokenizer_path": engine.runner.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": sched.weight_version,
+        }
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": sched.weight_version}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        stats = sched.stats
+        return {
+            "model_path": engine.runner.model_path,
+            "weight_version": sched.weight_version,
+            "max_running_requests": sched.max_running_requests,
+            "paused": sched.paused,
+            "engine": "megatron_sao.cpu_engine",
+            "uptime_s": time.time() - engine.started_at,
+            "internal_states": [sched.load()],
+            "stats": {name: getattr(stats, name) for name in stats.__slots__},
+        }
+
+    @app.post("/abort_request")
+    async def abort_request(http: Request):
+        try:
+            body = await _json(http)
+            await on_scheduler(lambda: sched.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all"))))
+        except ValueError as e:
+            return _error(str(e))
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(http: Request):
+        try:
+            body = await _json(http)
+            await on_scheduler(lambda: sched.pause(body.get("mode", "abort")))
+        except ValueError as e:
+            return _error(str(e))
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await on_scheduler(sched.resume)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        # There is no prefix cache to flush; SGLang refuses while requests are in flight.
+        idle = await on_scheduler(sched.is_idle)
+        return Response(
+            content="Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n",
+            status_code=200 if idle else 400,
+        )
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def memory_occupation():
+        return JSONResponse(None)  # CPU: nothing to release (ARCHITECTURE.md, "CPU" topology)
+
+    register_weight_routes(app, engine, on_scheduler)
+    return app
+
+
+class ServerThread:
+    """Run a CPU engine's uvicorn server on a background thread (tests, benchmarks, the demo).
+
+    `with ServerThread(config) as server: ... server.url` — the engine is stopped on exit.
+    """
+
+    def __init__(self, config: CPUEngineConfig) -> None:
+        import uvicorn
+
+        self.engine = CPUEngine(config)
+        self.app = create_app(self.engine)
+        uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(uv_config)
+        self._thread = threading.Thread(target=self.server.run, name="cpu-engine-http", daemon=True)
+        self.url = f"http://{config.host}:{config.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.engine.start()
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the CPU engine HTTP server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self.engine.stop()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,173 @@
+"""The CPU engine's weight endpoints: SGLang's refit API (from disk, from tensor, from a
+distributed group) and `update_weight_version`.
+
+Request and response bodies follow SGLang's `UpdateWeightFromDiskReqInput`,
+`UpdateWeightsFromTensorReqInput`, `InitWeightsUpdateGroupReqInput`,
+`UpdateWeightsFromDistributedReqInput` and `UpdateWeightVersionReqInput`. Every update is
+validated in full (names, shapes) before the first tensor is written, then applied on the
+scheduler thread between two decode steps; `weight_version` (when given) changes with it.
+`flush_cache` is accepted and is a no-op (no prefix cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from megatron_sao.rollout.cpu_engine.weights import read_hf_checkpoint
+from megatron_sao.rollout.weight_transfer import (
+    DEFAULT_GROUP_NAME,
+    SAFETENSORS_LOAD_FORMAT,
+    create_weight_update_group,
+    decode_safetensors_payload,
+    parse_dtype_name,
+)
+
+if TYPE_CHECKING:
+    from megatron_sao.rollout.cpu_engine.server import CPUEngine
+
+
+def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+async def _body(http: Request) -> dict[str, Any]:
+    raw = await http.body()
+    data = await http.json() if raw else {}
+    if not isinstance(data, dict):
+        raise ValueError("the request body must be a JSON object")
+    return data
+
+
+def register_weight_routes(
+    app: FastAPI, engine: CPUEngine, on_scheduler: Callable[[Callable[[], Any]], Awaitable[Any]]
+) -> None:
+    sched = engine.scheduler
+
+    async def apply(named: dict[str, torch.Tensor], body: dict[str, Any]) -> tuple[bool, str]:
+        if body.get("abort_all_requests"):
+            await on_scheduler(lambda: sched.abort(abort_all=True, message="Abort by weight update"))
+        version = body.get("weight_version")
+        try:
+            await on_scheduler(lambda: sched.apply_weights(named, None if version is None else str(version)))
+        except (ValueError, NotImplementedError) as e:
+            return False, str(e)
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return True, message
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(http: Request):
+        try:
+            body = await _body(http)
+            if body.get("load_format") not in (None, "auto", "safetensors"):
+                raise ValueError(f"load_format {body['load_format']!r} is not supported by the CPU engine")
+            if not body.get("model_path"):
+                raise ValueError("model_path is required")
+            named = await asyncio.to_thread(read_hf_checkpoint, str(body["model_path"]))
+            missing = sched.weight_map.missing_from(named)
+            if missing:
+                raise ValueError(f"the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[:5]}")
+        except ValueError as e:
+            return _result(False, str(e), num_paused_requests=0)
+        ok, message = await apply(named, body)
+        if ok:
+            engine.runner.model_path = str(body["model_path"])
+        return _result(ok, message, num_paused_requests=0)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(http: Request):
+        try:
+            body = await _body(http)
+            if body.get("load_format") != SAFETENSORS_LOAD_FORMAT:
+                raise ValueError(
+                    "the CPU engine reads load_format='safetensors' payloads only (SGLang's default payload "
+                    "carries CUDA IPC handles); build them with "
+                    "megatron_sao.rollout.weight_transfer.encode_safetensors_payload"
+                )
+            payloads = body.get("serialized_named_tensors") or []
+            if len(payloads) != 1:
+                raise ValueError(f"the CPU engine has one TP rank and takes one payload, got {len(payloads)}")
+            named = await asyncio.to_thread(decode_safetensors_payload, payloads[0])
+        except ValueError as e:
+            return _result(False, str(e))
+        return _result(*await apply(named, body))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(http: Request):
+        try:
+            body = await _body(http)
+            name = str(body.get("group_name", DEFAULT_GROUP_NAME))
+            if name in engine.groups:
+                raise ValueError(f"weight update group {name!r} already exists")
+            group = await asyncio.to_thread(
+                create_weight_update_group,
+                str(body["master_address"]),
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                name,
+                str(body.get("backend", "nccl")),
+            )
+        except (KeyError, ValueError, NotImplementedError, RuntimeError) as e:
+            return _result(False, f"init_weights_update_group failed: {e}")
+        engine.groups[name] = group
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(http: Request):
+        try:
+            body = await _body(http)
+            group = engine.groups.get(str(body.get("group_name", DEFAULT_GROUP_NAME)))
+            if group is None:
+                raise ValueError(f"no weight update group {body.get('group_name', DEFAULT_GROUP_NAME)!r}")
+            if body.get("load_format") is not None:
+                raise ValueError("load_format is not supported for distributed updates by the CPU engine")
+            names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+            if not len(names) == len(dtypes) == len(shapes):
+                raise ValueError("names, dtypes and shapes differ in length")
+            buffers = [torch.empty(s, dtype=parse_dtype_name(d)) for d, s in zip(dtypes, shapes, strict=True)]
+            named = dict(zip(names, buffers, strict=True))
+            sched.weight_map.check(named)
+        except (KeyError, ValueError, NotImplementedError) as e:
+            return _result(False, str(e))
+
+        def receive() -> None:  # off the scheduler thread: generation goes on while bytes arrive
+            for buffer in buffers:
+                group.broadcast(buffer, 0).wait()
+
+        try:
+            await asyncio.to_thread(receive)
+        except RuntimeError as e:
+            return _result(False, f"broadcast failed: {e}")
+        return _result(*await apply(named, body))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(http: Request):
+        body = await _body(http)
+        if engine.groups.pop(str(body.get("group_name", DEFAULT_GROUP_NAME)), None) is None:
+            return _result(False, "no such weight update group")
+        return _result(True, "Succeeded to destroy custom process group.")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(http: Request):
+        body = await _body(http)
+        if "new_version" not in body:
+            return _result(False, "new_version is required")
+        new_version = str(body["new_version"])
+        if body.get("abort_all_requests", True):
+            await on_scheduler(lambda: sched.abort(abort_all=True, message="Abort by update_weight_version"))
+        await on_scheduler(lambda: setattr(sched, "weight_version", new_version))
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Weight version updated to {new_version}",
+                "new_version": body["new_version"],
+            }
+        )

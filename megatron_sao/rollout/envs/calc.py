@@ -1,0 +1,190 @@
+"""The tiny synthetic tool task the CPU demo trains on: integer arithmetic with a calculator.
+
+Prompt: an expression such as `23*47`. The model cannot be expected to multiply, but it can
+learn to *copy*: copy the expression into a calculator call `<tool_call>23*47</tool_call>`
+(`<tool_call>` is one special token of the tiny tokenizer, the body is plain text, no JSON),
+read the observation `1081`, and copy that as its final answer (a turn without a call). So the
+optimum needs at least one tool call, and every skill on the way is learnable by a tiny model.
+
+Reward, graded so that a randomly initialised char-level model already gets a non-zero,
+varying signal (weights sum to 1; the scripted oracle gets exactly 1.0):
+
+    0.2 * format   mean of: 1 / (1 + |len(answer) - len(reference)| / len(reference)) (any
+                   non-empty answer earns some; it teaches ending the turn), and the share of
+                   answer characters that are digits or '-'
+    0.2 * tool     1 if some call evaluates to the answer, else best character-F1 of a call vs
+                   the expression (0 without calls)
+    0.6 * answer   1 if exact, else 0.5 * character-F1 of answer vs the reference
+
+Answering correctly without the tool earns 0.8, so the optimum needs the call.
+
+Turn limits: this environment ends (and scores) the episode itself after `max_turns` assistant
+turns, so set the agent loop's `max_turns` at least as high; the calculator runs in-process
+(a strict arithmetic evaluator, no sandbox: the demo makes thousands of calls).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_sao.rollout.environment import Environment, PromptSample, StepResult
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_ARITHMETIC = re.compile(r"[0-9+\-*() ]+")
+
+
+@dataclass(kw_only=True, slots=True)
+class CalcConfig:
+    max_turns: int = 3
+    """Assistant turns after which the episode ends and is scored (answer part 0 if none)."""
+    max_expression_chars: int = 48
+    format_weight: float = 0.2
+    tool_weight: float = 0.2
+    answer_weight: float = 0.6
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"CalcConfig.max_turns must be >= 1, got {self.max_turns}")
+        if abs(self.format_weight + self.tool_weight + self.answer_weight - 1.0) > 1e-9:
+            raise ValueError("CalcConfig: the reward weights must sum to 1")
+
+
+def evaluate_expression(text: str, max_chars: int = 48) -> int | None:
+    """Integer value of `+ - * ( )` arithmetic, or None for anything else (never raises)."""
+    text = text.strip()
+    if not text or len(text) > max_chars or not _ARITHMETIC.fullmatch(text):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    return _evaluate(tree.body)
+
+
+def _evaluate(node: ast.expr) -> int | None:
+    if isinstance(node, ast.Constant):
+        return node.value if type(node.value) is int else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _evaluate(node.operand)
+        return None if value is None else (-value if isinstance(node.op, ast.USub) else value)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub | ast.Mult):
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if left is None or right is None:
+            return None
+        return left + right if isinstance(node.op, ast.Add) else left - right if isinstance(node.op, ast.Sub) \
+            else left * right
+    return None
+
+
+def char_f1(predicted: str, reference: str) -> float:
+    """F1 of the character multisets: partial credit that random text already earns a little of."""
+    common = sum((Counter(predicted) & Counter(reference)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(reference)
+    return 2 * precision * recall / (precision + recall)
+
+
+def score(calls: list[str], answer: str | None, expression: str, target: str, config: CalcConfig) -> dict[str, float]:
+    """Reward and its parts for an episode with these call bodies and final answer."""
+    answer = (answer or "").strip()
+    fmt = 0.0
+    if answer:
+        length = 1.0 / (1.0 + abs(len(answer) - len(target)) / max(1, len(target)))
+        fmt = 0.5 * length + 0.5 * sum(ch.isdigit() or ch == "-" for ch in answer) / len(answer)
+    target_value = evaluate_expression(target)
+    tool = 0.0
+    for body in calls:
+        if target_value is not None and evaluate_expression(body, config.max_expression_chars) == target_value:
+            tool = 1.0
+            break
+        tool = max(tool, char_f1(body.strip(), expression))
+    correct = 1.0 if answer and answer == target else 0.5 * char_f1(answer, target) if answer else 0.0
+    reward = config.format_weight * fmt + config.tool_weight * tool + config.answer_weight * correct
+    return {"reward": round(reward, 9), "format": fmt, "tool": tool, "answer": correct}
+
+
+class CalcEnv(Environment):
+    """One episode of the calculator task."""
+
+    def __init__(self, config: CalcConfig | None = None) -> None:
+        self.config = config or CalcConfig()
+        self.expression = ""
+        self.target = ""
+        self.calls: list[str] = []
+        self.turns = 0
+
+    def reset(self, sample: PromptSample) -> list[dict[str, str]]:
+        if sample.answer is None:
+            raise ValueError(f"calc sample {sample.prompt_id!r} has no answer")
+        self.expression = str(sample.metadata.get("expression", sample.messages[-1]["content"]))
+        self.target = sample.answer
+        return [dict(m) for m in sample.messages]
+
+    async def step(self, action_text: str) -> StepResult:
+        self.turns += 1
+        if CALL_OPEN in action_text:
+            body = action_text.split(CALL_OPEN, 1)[1].split(CALL_CLOSE, 1)[0]
+            self.calls.append(body)
+            value = evaluate_expression(body, self.config.max_expression_chars)
+            observation = "error" if value is None else str(value)
+            if self.turns >= self.config.max_turns:
+                return self._end(None, truncated=True)
+            return StepResult(observation=observation)
+        return self._end(action_text, truncated=False)
+
+    def _end(self, answer: str | None, truncated: bool) -> StepResult:
+        parts = score(self.calls, answer, self.expression, self.target, self.config)
+        info: dict[str, Any] = {**parts, "num_tool_calls": len(self.calls)}
+        if truncated:
+            info["truncated"] = "max_turns"
+        return StepResult(observation="", reward=parts["reward"], done=True, info=info)
+
+
+def make_calc(**kwargs: Any) -> Any:
+    """Registry builder: CalcConfig fields as keyword arguments."""
+    config = CalcConfig(**kwargs)
+    return lambda sample: CalcEnv(config)
+
+
+def generate_calc_samples(num_samples: int, seed: int, *, max_digits: int = 2,
+                          operators: str = "+-*") -> list[PromptSample]:
+    """`num_samples` problems, a pure function of the arguments (same seed, same problems)."""
+    if num_samples < 0 or max_digits < 1 or not operators or set(operators) - set("+-*"):
+        raise ValueError("generate_calc_samples: num_samples >= 0, max_digits >= 1, operators from '+-*'")
+    rng = random.Random(seed)
+    samples = []
+    for i in range(num_samples):
+        a, b = (rng.randrange(10 ** rng.randint(1, max_digits)) for _ in range(2))
+        expression = f"{a}{rng.choice(operators)}{b}"
+        value = evaluate_expression(expression)
+        assert value is not None, expression
+        samples.append(PromptSample(prompt_id=f"calc-{seed}-{i}", messages=[{"role": "user", "content": expression}],
+                                    answer=str(value), metadata={"expression": expression}))
+    return samples
+
+
+def write_calc_dataset(path: str | Path, num_samples: int, seed: int, **kwargs: Any) -> Path:
+    """Write the problems as JSONL in the prompt-dataset schema (`datasets.load_prompts` reads it)."""
+    path = Path(path)
+    with path.open("w", encoding="utf-8") as f:
+        for sample in generate_calc_samples(num_samples, seed, **kwargs):
+            row = {"id": sample.prompt_id, "prompt": sample.messages[-1]["content"], "answer": sample.answer,
+                   "metadata": sample.metadata}
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    return path
+
+
+def oracle_action(sample: PromptSample, observations: list[str]) -> str:
+    """The scripted optimal policy: call the calculator on the expression, then answer with
+    what it returned. Reward 1.0 (tests; SFT warm-start data for the demo)."""
+    if not observations:
+        return f"{CALL_OPEN}{sample.metadata.get('expression', sample.messages[-1]['content'])}{CALL_CLOSE}"
+    return observations[-1]
