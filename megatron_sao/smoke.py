@@ -3,8 +3,9 @@
 Until the SAO trainer exists (trainer issue), `sao train` runs this on the recipe: it exercises
 everything a run needs below the trainer (config, distributed init, Megatron models from the HF
 checkpoint, parameter freezing, Megatron DDP + optimizer, pipeline schedule, wandb offline logging,
-run directory) on synthetic token sequences, with SAO-shaped losses: K critic regression steps
-per actor step and a DIS-style policy-gradient step against detached "rollout" log-probs.
+run directory) on synthetic token sequences with the real SAO losses from `megatron_sao.algo`:
+targets from skip-observation GAE, K critic value-loss steps per actor step (after critic warmup
+steps), and a DIS policy step against stand-in "rollout" log-probs.
 """
 
 from __future__ import annotations
@@ -38,15 +39,30 @@ def _synthetic_batch(step: int, batch: int, vocab: int, seed: int) -> dict[str, 
         "attention_mask": causal_attention_mask(SEQ_LEN),
         "labels": shifted_labels(ids),
         "loss_mask": action_mask,
-        "returns": torch.randn(batch, SEQ_LEN, generator=g).clamp(-1, 1),
-        "advantages": torch.randn(batch, SEQ_LEN, generator=g),
+        **_synthetic_targets(action_mask, g),
     }
+
+
+def _synthetic_targets(loss_mask_bt: torch.Tensor, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Terminal reward +-1 and random "critic values", through SAO's skip-observation GAE with
+    the length-adaptive policy lambda (value targets use lambda = 1)."""
+    from megatron_sao.algo import length_adaptive_lambda, skip_observation_gae
+
+    batch, seq = loss_mask_bt.shape
+    rewards = torch.zeros(batch, seq)
+    rewards[:, -1] = torch.randint(0, 2, (batch,), generator=g).float() * 2 - 1
+    values = 0.1 * torch.randn(batch, seq, generator=g)
+    lam = length_adaptive_lambda(loss_mask_bt.sum(-1))
+    advantages, _ = skip_observation_gae(rewards, values, loss_mask_bt, lam=lam)
+    _, returns = skip_observation_gae(rewards, values, loss_mask_bt, lam=1.0)
+    return {"advantages": advantages.float(), "returns": returns.float()}
 
 
 def smoke_rank(config: SaoConfig, run_dir: str) -> dict[str, Any]:
     """What each trainer rank runs. Returns the metrics history (identical on every rank)."""
     import torch.distributed as dist
 
+    from megatron_sao.algo import dis_policy_loss, value_loss
     from megatron_sao.models import build_model
     from megatron_sao.models.outputs import logprobs_from_token_loss, values_from_head
     from megatron_sao.platform import init_model_parallel
@@ -68,22 +84,21 @@ def smoke_rank(config: SaoConfig, run_dir: str) -> dict[str, Any]:
     def critic_forward(model, b):
         return model(b["input_ids"], b["position_ids"], b["attention_mask"])
 
+    alg = config.algorithm
+
     def critic_loss(output, b):
-        mask = b["loss_mask"]
-        sq = ((values_from_head(output) - b["returns"]) ** 2)[mask]
-        return sq.sum() / 2, mask.sum().to(torch.int), {"value_loss_sum": sq.sum().detach()}
+        # Megatron's per-token convention: return the token sum (num_tokens=1) and the count.
+        loss, stats = value_loss(values_from_head(output), b["returns"], b["loss_mask"], num_tokens=1)
+        count = b["loss_mask"].sum().to(torch.int)
+        return loss, count, {"explained_variance": torch.tensor(stats["explained_variance"])}
 
     def actor_loss(output, b):
-        # DIS-shaped: detached ratio to the "rollout" log-probs (here: the current ones, jittered),
-        # tokens outside the band dropped, policy gradient weighted by the advantage.
-        mask = b["loss_mask"]
+        # "Rollout" log-probs: the current ones, jittered, standing in for an engine's numbers.
         logp = logprobs_from_token_loss(output)
         rollout_logp = logp.detach() + 0.05 * torch.randn_like(logp)
-        rho = torch.exp(logp.detach() - rollout_logp)
-        alg = config.algorithm
-        kept = mask & (rho > 1 - alg.eps_low) & (rho < 1 + alg.eps_high)
-        loss = -(kept * rho * b["advantages"] * logp).sum()
-        return loss, mask.sum().to(torch.int), {"kept_tokens": kept.sum().float(), "tokens": mask.sum().float()}
+        loss, stats = dis_policy_loss(logp, rollout_logp, b["advantages"], b["loss_mask"], alg.eps_low,
+                                      alg.eps_high, num_tokens=1)
+        return loss, b["loss_mask"].sum().to(torch.int), {"masked_frac": torch.tensor(stats["masked_frac"])}
 
     history = []
     micro = config.actor.micro_batch_size
@@ -94,14 +109,16 @@ def smoke_rank(config: SaoConfig, run_dir: str) -> dict[str, Any]:
         metrics: dict[str, float] = {"step": step}
         for k in range(config.critic.updates_per_actor_step):
             zero_grads(roles["critic"])
-            run_forward_backward(roles["critic"].chunks, batches, critic_forward, critic_loss)
+            out = run_forward_backward(roles["critic"].chunks, batches, critic_forward, critic_loss)
             _, metrics[f"critic/grad_norm_{k}"] = optimizer_step(roles["critic"])
+            if out:
+                metrics[f"critic/explained_variance_{k}"] = float(sum(o["explained_variance"] for o in out) / len(out))
         if step >= config.critic.warmup_steps:
             zero_grads(roles["actor"])
             out = run_forward_backward(roles["actor"].chunks, batches, actor_forward, actor_loss)
             _, metrics["actor/grad_norm"] = optimizer_step(roles["actor"])
             if out:
-                metrics["actor/kept_frac"] = float(sum(o["kept_tokens"] for o in out) / sum(o["tokens"] for o in out))
+                metrics["actor/dis_masked_frac"] = float(sum(o["masked_frac"] for o in out) / len(out))
         metrics["step_time_s"] = time.perf_counter() - t0
         history.append(metrics)
         if rank == 0:
