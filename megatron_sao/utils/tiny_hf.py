@@ -117,7 +117,10 @@ _FAMILIES: dict[str, dict[str, Any]] = {
             "norm_topk_prob": True,
             "routed_scaling_factor": 2.5,
             "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            # YaRN as in the real checkpoint (factor 40 over 4096 there; 32 x 128 = 4096 here).
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                                "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
             "rope_interleave": True,
             "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False,
@@ -151,9 +154,15 @@ _FAMILIES: dict[str, dict[str, Any]] = {
             "index_topk": 8,
             "index_head_dim": 16,
             "index_n_heads": 2,
+            # The real GLM-5 config has indexer_rope_interleave=true and rms_norm_eps=1e-5, where
+            # transformers 5.12.1 departs from its own config (its indexer always rotates
+            # half-split, its q/kv latent norms always use eps 1e-6) while Megatron-Core follows
+            # it (as vLLM and SGLang do). These two values are the ones on which the HF model is
+            # a valid logits reference; weight conversion does not depend on them.
+            "indexer_rope_interleave": False,
             "max_position_embeddings": 4096,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-            "rms_norm_eps": 1e-5,
+            "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False,
         },
     },

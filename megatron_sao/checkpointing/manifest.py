@@ -1,0 +1,140 @@
+"""The manifest of a megatron-sao mcore checkpoint directory, and the directory's layout.
+
+    <dir>/                       a megatron.core.dist_checkpointing (torch_dist) checkpoint:
+      metadata.json .metadata __*_*.distcp common.pt
+      hf/                        config.json, tokenizer, generation config of the source (no weights)
+      hf_passthrough/            HF tensors Megatron has no place for (e.g. MTP layers), verbatim
+      sao_manifest.json          written last: role, tensor tables, file sizes and checksums
+
+The manifest is what makes `mcore-to-hf` need nothing else: the HF tensor table (names, shapes,
+dtypes) is the exact output of the export, the Megatron tensor table documents the checkpoint,
+and per-file sizes and SHA-256 sums (with one checksum over them all) let a reader tell a
+complete checkpoint from a partial copy before loading anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "sao-mcore-v1"
+MANIFEST_FILE = "sao_manifest.json"
+HF_DIR = "hf"
+PASSTHROUGH_DIR = "hf_passthrough"
+_REQUIRED_DIST_FILES = ("metadata.json", ".metadata")
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    role: str
+    """actor or critic."""
+    architecture: str
+    """The causal-LM architecture (HF `architectures[0]`) of the trunk."""
+    params_dtype: str
+    """dtype the Megatron parameters are stored in (torch name)."""
+    source: str
+    """The HF directory converted from."""
+    source_format: str
+    """causal_lm, or the critic format name (critic_format.CRITIC_FORMAT)."""
+    layout: dict[str, int]
+    """TP/PP/EP/ETP and world size at conversion (the checkpoint reshards on load)."""
+    hf_tensors: dict[str, dict[str, Any]]
+    """name -> {dtype (safetensors code), shape}: exactly what `mcore-to-hf` writes."""
+    passthrough: list[str] = field(default_factory=list)
+    """HF tensors stored verbatim in hf_passthrough/ (not in the Megatron model)."""
+    value_head: dict[str, Any] | None = None
+    """Critic only: how the value head was obtained (loaded from the source, or initialised)."""
+    mcore_tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """dist-checkpoint key -> {dtype, shape} (global shapes)."""
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """relative path -> {bytes, sha256} of every file but the manifest."""
+    checksum: str = ""
+    """SHA-256 over the sorted `path sha256` lines of `files`."""
+    versions: dict[str, str] = field(default_factory=dict)
+    format: str = FORMAT
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def sha256_file(path: Path, chunk_bytes: int = 16 * 1024 * 1024) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_tree(root: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {bytes, sha256}} of every file under `root` except the manifest."""
+    table = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+        table[str(path.relative_to(root))] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return table
+
+
+def tree_checksum(files: dict[str, dict[str, Any]]) -> str:
+    lines = "".join(f"{name} {meta['sha256']}\n" for name, meta in sorted(files.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("torch", "megatron-core", "megatron-bridge", "transformers", "megatron-sao"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = "not installed"
+    return out
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Hash the directory's files into the manifest and write it (the checkpoint's last file)."""
+    manifest.files = hash_tree(directory)
+    manifest.checksum = tree_checksum(manifest.files)
+    (directory / MANIFEST_FILE).write_text(json.dumps(asdict(manifest), indent=1) + "\n")
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest of `directory`; ValueError if it is absent (not ours, or an incomplete conversion)."""
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: no such directory")
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        hint = (" (it is the temporary directory of an interrupted conversion)" if ".sao-tmp-" in directory.name
+                else "")
+        raise ValueError(f"{directory}: no {MANIFEST_FILE}: not a megatron-sao mcore checkpoint, or an "
+                         f"incomplete one{hint}; pass --hf-config to export a bare dist checkpoint")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: corrupt manifest ({e})") from e
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path}: manifest format {data.get('format')!r}, this version reads {FORMAT!r}")
+    return Manifest(**data)
+
+
+def check_dist_checkpoint_files(directory: Path) -> None:
+    """A bare dist checkpoint must have its metadata files; name the first one missing."""
+    for name in _REQUIRED_DIST_FILES:
+        if not (directory / name).is_file():
+            raise ValueError(f"{directory}: missing checkpoint file {name} (not a torch_dist checkpoint, or "
+                             "a partial copy)")
+
+
+def check_files(directory: Path, manifest: Manifest, verify_hashes: bool) -> None:
+    """Every file the manifest lists is present with its size (and SHA-256 when `verify_hashes`)."""
+    check_dist_checkpoint_files(directory)
+    for name, meta in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise ValueError(f"{directory}: missing checkpoint file {name} (listed in {MANIFEST_FILE})")
+        size = path.stat().st_size
+        if size != meta["bytes"]:
+            raise ValueError(f"{path}: partial checkpoint file: {size} bytes, the manifest records {meta['bytes']}")
+        if verify_hashes and sha256_file(path) != meta["sha256"]:
+            raise ValueError(f"{path}: checksum mismatch (file changed or corrupt since conversion)")

@@ -1,0 +1,274 @@
+"""megatron-sao mcore checkpoint -> HF checkpoint (actor: causal LM; critic: critic_format).
+
+Every rank runs `convert_mcore_to_hf`. The model is built in the requested layout (the torch_dist
+checkpoint reshards into it), megatron-bridge streams full HF tensors one at a time, and rank 0
+writes each straight to its planned place in the output shards (`safetensors_stream`): host memory
+is the rank's model shard plus one tensor. The output tensor table (names, shapes, dtypes) comes
+from the manifest, so the export writes exactly the tensors the source had, in their dtypes; a
+tensor the bridge yields that is not in the table, or a table entry it never yields, is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_sao.checkpointing import critic_format as cf
+from megatron_sao.checkpointing.bridge_ext import open_bridge
+from megatron_sao.checkpointing.collective import barrier, broadcast_object, gather_objects, raise_if_any, rank
+from megatron_sao.checkpointing.collective import world_size as get_world_size
+from megatron_sao.checkpointing.families import Family, family_of
+from megatron_sao.checkpointing.hf_files import (
+    ST_TO_TORCH,
+    TORCH_TO_ST,
+    expected_hf_tensors,
+    is_weight_file,
+    read_config,
+    read_safetensors_header,
+)
+from megatron_sao.checkpointing.manifest import (
+    HF_DIR,
+    MANIFEST_FILE,
+    PASSTHROUGH_DIR,
+    Manifest,
+    check_dist_checkpoint_files,
+    check_files,
+    read_manifest,
+)
+from megatron_sao.checkpointing.mcore_io import load_model, tensor_table
+from megatron_sao.checkpointing.model_setup import DTYPES, Layout, Role, build_for_conversion, conversion_config, unwrap
+from megatron_sao.checkpointing.output_dir import (
+    StagedOutput,
+    check_disk_space,
+    check_output_dir,
+    disk_full_as_value_error,
+    human_bytes,
+)
+from megatron_sao.checkpointing.progress import Progress
+from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+
+
+@dataclass(kw_only=True)
+class McoreToHfRequest:
+    mcore_dir: Path
+    out_dir: Path
+    hf_config_dir: Path | None = None
+    """Config + tokenizer to use instead of the checkpoint's hf/ copy (required without a manifest)."""
+    layout: Layout = field(default_factory=Layout)
+    role: Role | None = None
+    """Only for checkpoints without a manifest (default actor, or critic for a critic config)."""
+    dtype: str | None = None
+    """Export floating tensors in this dtype instead of the source's (e.g. bfloat16 after fp32 training)."""
+    overwrite: bool = False
+    max_shard_bytes: int = 5 * 10**9
+    verify_checksums: bool = False
+    progress: bool = True
+
+
+@dataclass(kw_only=True)
+class McoreToHfPlan:
+    request: McoreToHfRequest
+    manifest: Manifest | None
+    config_dir: Path
+    config: dict
+    family: Family
+    role: Role
+    params_dtype: torch.dtype
+    specs: list[TensorSpec]
+    passthrough: list[str]
+
+
+def _table_from_config(config_dir: Path, config: dict, role: Role, dtype: torch.dtype) -> dict[str, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cf.causal_config(config)))
+        shapes = expected_hf_tensors(tmp).shapes
+    if role == "critic":
+        shapes = cf.critic_hf_shapes(shapes, config["hidden_size"])
+    return {n: {"dtype": TORCH_TO_ST[dtype], "shape": list(s)} for n, s in shapes.items()}
+
+
+def _stored_dtype(mcore_dir: Path) -> torch.dtype:
+    counts: dict[str, int] = {}
+    for meta in tensor_table(mcore_dir).values():
+        numel = 1
+        for dim in meta["shape"]:
+            numel *= dim
+        counts[meta["dtype"]] = counts.get(meta["dtype"], 0) + numel
+    return DTYPES[max(counts, key=counts.__getitem__)]
+
+
+def plan_mcore_to_hf(request: McoreToHfRequest) -> McoreToHfPlan:
+    """Everything checkable without a model; raises ValueError naming the problem."""
+    mcore = Path(request.mcore_dir)
+    manifest = None
+    if request.hf_config_dir is None or (mcore / MANIFEST_FILE).is_file():
+        manifest = read_manifest(mcore)
+        check_files(mcore, manifest, verify_hashes=request.verify_checksums)
+    else:
+        check_dist_checkpoint_files(mcore)
+    config_dir = Path(request.hf_config_dir) if request.hf_config_dir is not None else mcore / HF_DIR
+    config = read_config(config_dir)
+    family = family_of(config, str(config_dir))
+    role: Role = manifest.role if manifest else (request.role or ("critic" if cf.is_critic_config(config) else "actor"))
+    if manifest and request.role and request.role != manifest.role:
+        raise ValueError(f"{mcore} holds a {manifest.role} (manifest), not a {request.role}")
+    check_output_dir(Path(request.out_dir), request.overwrite)
+    params_dtype = DTYPES[manifest.params_dtype] if manifest else _stored_dtype(mcore)
+    if request.dtype is not None and request.dtype not in DTYPES:
+        raise ValueError(f"--dtype {request.dtype}: choose one of {', '.join(DTYPES)}")
+    table = dict(manifest.hf_tensors) if manifest else _table_from_config(config_dir, config, role, params_dtype)
+    specs = []
+    for name, meta in table.items():
+        code = meta["dtype"]
+        if request.dtype is not None and ST_TO_TORCH[code].is_floating_point and name not in (manifest.passthrough
+                                                                                              if manifest else []):
+            code = TORCH_TO_ST[DTYPES[request.dtype]]
+        specs.append(TensorSpec(name, code, tuple(meta["shape"])))
+    check_disk_space(Path(request.out_dir), sum(s.nbytes for s in specs))
+    return McoreToHfPlan(request=request, manifest=manifest, config_dir=config_dir, config=config, family=family,
+                         role=role, params_dtype=params_dtype, specs=specs,
+                         passthrough=list(manifest.passthrough) if manifest else [])
+
+
+def _skip_value_head_tasks(model_bridge: object) -> None:
+    original = model_bridge.build_conversion_tasks
+
+    def build_conversion_tasks(hf_pretrained, megatron_model, weight_dtype=None):
+        tasks = original(hf_pretrained, megatron_model, weight_dtype=weight_dtype)
+        return [t for t in tasks if t is None or not t.global_param_name.startswith("output_layer.")]
+
+    model_bridge.build_conversion_tasks = build_conversion_tasks
+
+
+class _Sink:
+    """Rank 0's end of the export: checks each tensor against the plan, casts, writes."""
+
+    def __init__(self, plan: McoreToHfPlan, directory: Path) -> None:
+        self.by_name = {s.name: s for s in plan.specs}
+        self.writer = StreamingSafetensorsWriter(directory, plan.specs, plan.request.max_shard_bytes)
+        self.progress = Progress("mcore -> hf", total_tensors=len(plan.specs),
+                                 total_bytes=sum(s.nbytes for s in plan.specs), enabled=plan.request.progress)
+        self.errors: list[str] = []
+        self.rounded: list[str] = []
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.by_name.get(name)
+        if spec is None:
+            self.errors.append(f"export produced tensor {name!r}, which the source checkpoint did not have")
+            return
+        if tuple(tensor.shape) != spec.shape:
+            self.errors.append(f"export produced {name!r} with shape {list(tensor.shape)}, the source had "
+                               f"{list(spec.shape)}")
+            return
+        target = ST_TO_TORCH[spec.dtype]
+        if tensor.dtype != target:
+            cast = tensor.to(target)
+            if not torch.equal(cast.to(tensor.dtype), tensor):
+                self.rounded.append(name)
+            tensor = cast
+        self.progress.advance(1, self.writer.write(name, tensor))
+
+
+def _copy_config_files(plan: McoreToHfPlan, tmp: Path) -> None:
+    """Tokenizer, generation config etc. of the config directory (never its weights or index)."""
+    for entry in sorted(plan.config_dir.iterdir()):
+        if entry.is_file() and entry.name != "config.json" and not is_weight_file(entry.name):
+            shutil.copy2(entry, tmp / entry.name)
+    if plan.role == "critic" and not cf.is_critic_config(plan.config):
+        (tmp / "config.json").write_text(json.dumps(cf.critic_config(plan.config), indent=2) + "\n")
+    else:
+        shutil.copy2(plan.config_dir / "config.json", tmp / "config.json")  # written last: marks completeness
+
+
+def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
+    """Collective (every rank): export; returns a summary (meaningful on rank 0)."""
+    start = time.monotonic()
+    phases: dict[str, float] = {}
+    plan = plan_mcore_to_hf(request)
+    phases["plan"] = time.monotonic() - start
+    out, mcore = Path(request.out_dir), Path(request.mcore_dir)
+    staged = StagedOutput.for_token(out, broadcast_object(StagedOutput.new_token() if rank() == 0 else None))
+    view_root = Path(tempfile.mkdtemp(prefix="sao-convert-view-"))
+    sink = None
+    try:
+        if rank() == 0:
+            staged.create()
+        barrier()
+        view = cf.causal_view(plan.config_dir, plan.config, view_root / "hf")
+        config = conversion_config(view, request.layout, get_world_size(), plan.params_dtype)
+        chunks = build_for_conversion(config, plan.role)
+        phases["build"] = time.monotonic() - start - sum(phases.values())
+        load_model(chunks, mcore)
+        loaded_at = time.monotonic()
+        phases["load"] = loaded_at - start - sum(phases.values())
+        bridge = open_bridge(view)
+        model_bridge = bridge._model_bridge
+        if plan.role == "critic":
+            _skip_value_head_tasks(model_bridge)
+        with disk_full_as_value_error(staged.tmp):
+            sink = _Sink(plan, staged.tmp) if rank() == 0 else None
+            stream = model_bridge.stream_weights_megatron_to_hf(chunks, bridge.hf_pretrained.config, cpu=True,
+                                                                show_progress=False)
+            for name, tensor in stream:
+                if sink is not None:
+                    sink.put(name, tensor)
+            heads = gather_objects([unwrap(c).output_layer.weight.detach().cpu() for c in chunks
+                                    if plan.role == "critic" and getattr(unwrap(c), "post_process", False)])
+            errors = []
+            if sink is not None:
+                head = next((h[0] for h in heads if h), None)
+                if head is not None:
+                    sink.put(cf.VALUE_WEIGHT, head)
+                    if cf.VALUE_BIAS in sink.by_name:
+                        sink.put(cf.VALUE_BIAS, torch.zeros(1, dtype=head.dtype))
+                _copy_passthrough(plan, mcore, sink)
+                sink.progress.close()
+                missing = sink.writer.missing()
+                errors = sink.errors + ([f"export did not produce {len(missing)} tensors of the source, e.g. "
+                                         f"{missing[:3]}"] if missing else [])
+            raise_if_any(errors)
+            if sink is not None:
+                sink.writer.close()
+                _copy_config_files(plan, staged.tmp)
+                staged.commit()
+        barrier()
+    except BaseException:
+        if sink is not None:
+            sink.writer.abort()
+        if rank() == 0:
+            staged.abort()
+        raise
+    finally:
+        shutil.rmtree(view_root, ignore_errors=True)
+    seconds = time.monotonic() - start
+    phases["export"] = seconds - sum(phases.values())
+    total = sum(s.nbytes for s in plan.specs)
+    rounded = sink.rounded if sink is not None else []
+    return {
+        "phases": phases, "out": str(out), "role": plan.role, "architecture": plan.family.architecture,
+        "tensors": len(plan.specs),
+        "bytes": total, "rounded": rounded, "seconds": seconds, "load_seconds": loaded_at - start,
+        "export_seconds": time.monotonic() - loaded_at,
+        "summary": (f"{mcore} ({plan.role}, {plan.family.architecture}) -> {out}: {len(plan.specs)} tensors, "
+                    f"{human_bytes(total)} [{request.layout.describe()}, {get_world_size()} ranks] in {seconds:.1f} s"
+                    + (f"; {len(rounded)} tensors rounded to their export dtype" if rounded else "")),
+    }
+
+
+def _copy_passthrough(plan: McoreToHfPlan, mcore: Path, sink: _Sink) -> None:
+    if not plan.passthrough:
+        return
+    from safetensors import safe_open
+
+    directory = mcore / PASSTHROUGH_DIR
+    for file in sorted(directory.glob("*.safetensors")):
+        names = [n for n in read_safetensors_header(file) if n in plan.passthrough]
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                sink.put(name, f.get_tensor(name))

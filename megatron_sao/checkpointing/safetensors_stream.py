@@ -1,0 +1,135 @@
+"""Write a sharded HF safetensors checkpoint tensor by tensor, in any arrival order.
+
+megatron-bridge yields exported tensors one at a time in its own order. Buffering a shard's worth
+before writing would hold gigabytes; instead every tensor's place is planned up front from the
+known name/dtype/shape list (the manifest), each shard file is created at its final size with its
+header, and each arriving tensor is written straight to its offset. Memory: one tensor.
+
+Layout follows `save_pretrained`: `model.safetensors`, or `model-0000i-of-0000n.safetensors`
+plus `model.safetensors.index.json`. Within a file, tensors are ordered by element size
+(largest first) then name, so every tensor is aligned for zero-copy loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_sao.checkpointing.hf_files import INDEX_FILE, ST_TO_TORCH, TORCH_TO_ST
+
+
+def natural_key(name: str) -> list[object]:
+    """Sort key that orders layer 2 before layer 10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * ST_TO_TORCH[self.dtype].itemsize
+
+
+@dataclass(slots=True)
+class _Slot:
+    spec: TensorSpec
+    file: str
+    offset: int  # absolute, in the file
+    written: bool = False
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy split in natural name order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in sorted(specs, key=lambda s: natural_key(s.name)):
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+class StreamingSafetensorsWriter:
+    """Pre-planned sharded safetensors output in `directory` (which must exist)."""
+
+    def __init__(self, directory: Path, specs: list[TensorSpec], max_shard_bytes: int) -> None:
+        self.directory = directory
+        self.slots: dict[str, _Slot] = {}
+        self._fds: dict[str, int] = {}
+        shards = plan_shards(specs, max_shard_bytes)
+        count = len(shards)
+        self.weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards):
+            file = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            self._create(file, shard)
+
+    def _create(self, file: str, shard: list[TensorSpec]) -> None:
+        ordered = sorted(shard, key=lambda s: (-ST_TO_TORCH[s.dtype].itemsize, natural_key(s.name)))
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        begin = 0
+        for spec in ordered:
+            header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                                 "data_offsets": [begin, begin + spec.nbytes]}
+            begin += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        data_start = 8 + len(raw)
+        fd = os.open(self.directory / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fds[file] = fd
+        os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(fd, data_start + begin)
+        for spec in ordered:
+            offset = data_start + header[spec.name]["data_offsets"][0]  # type: ignore[index]
+            self.slots[spec.name] = _Slot(spec=spec, file=file, offset=offset)
+            self.weight_map[spec.name] = file
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Write `tensor` (already in its planned dtype and shape) to its place; returns bytes written."""
+        slot = self.slots.get(name)
+        if slot is None:
+            raise KeyError(name)
+        assert not slot.written, f"{name} written twice"
+        assert TORCH_TO_ST[tensor.dtype] == slot.spec.dtype and tuple(tensor.shape) == slot.spec.shape, (
+            name, tensor.dtype, tuple(tensor.shape), slot.spec)
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        view, offset = memoryview(data), slot.offset
+        while view:
+            n = os.pwrite(self._fds[slot.file], view, offset)
+            view, offset = view[n:], offset + n
+        slot.written = True
+        return slot.spec.nbytes
+
+    def missing(self) -> list[str]:
+        return sorted((n for n, s in self.slots.items() if not s.written), key=natural_key)
+
+    def close(self) -> None:
+        """Close the files and write the index (when sharded). Call after every tensor is written."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        files = set(self.weight_map.values())
+        if len(files) > 1:
+            total = sum(s.spec.nbytes for s in self.slots.values())
+            weight_map = {n: self.weight_map[n] for n in sorted(self.weight_map, key=natural_key)}
+            (self.directory / INDEX_FILE).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+    def abort(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

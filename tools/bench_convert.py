@@ -1,0 +1,187 @@
+"""Benchmark HF <-> mcore conversion against the disk's sequential read speed, measured in the same run.
+
+    python tools/bench_convert.py                      # ~2 GB bf16 Qwen3-MoE-shaped model under /tmp
+    python tools/bench_convert.py --size-gb 0.5 --dir checkpoints --nproc 2 --keep
+
+Steps (all timed, page cache of the files evicted before each read-bound step with
+posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memory):
+1. write a synthetic random HF checkpoint (Qwen3-MoE family, sizes scaled to --size-gb; config and
+   tensor list from transformers, data random, written tensor by tensor);
+2. sequential read of its safetensors files (16 MB reads): the disk's read speed R; and, for
+   context, a sequential write of as many bytes with fsync (conversions write what they read);
+3. `hf-to-mcore` (TP1 unless --tp/--ep/--pp, on --nproc ranks): throughput = HF bytes / seconds;
+4. `mcore-to-hf` of the result: throughput = HF bytes / seconds;
+and prints each throughput as a fraction of R, the load/save split, and the peak resident memory
+of this process (the conversion runs in it when --nproc is 1) against the model's size.
+Everything is deleted at the end unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_sao.checkpointing.hf_files import TORCH_TO_ST, expected_hf_tensors
+from megatron_sao.checkpointing.output_dir import human_bytes
+from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+
+_READ_BLOCK = 16 * 1024 * 1024
+_LAYER_SHAPE = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+                "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 512, "intermediate_size": 2048}
+
+
+def _layer_bytes(dtype: torch.dtype) -> int:
+    s = _LAYER_SHAPE
+    attention = s["hidden_size"] * s["head_dim"] * (2 * s["num_attention_heads"] + 2 * s["num_key_value_heads"])
+    experts = s["num_experts"] * 3 * s["hidden_size"] * s["moe_intermediate_size"]
+    return (attention + experts) * dtype.itemsize
+
+
+def write_synthetic_checkpoint(directory: Path, size_bytes: float, dtype: torch.dtype, seed: int = 0) -> int:
+    """A random Qwen3-MoE-shaped HF checkpoint of about `size_bytes`; returns its tensor bytes."""
+    from megatron_sao.utils.tiny_hf import build_tiny_tokenizer, tiny_hf_config
+
+    layers = max(2, round(size_bytes / _layer_bytes(dtype)))
+    config = tiny_hf_config("qwen3_moe", num_hidden_layers=layers, **_LAYER_SHAPE)
+    config.dtype = dtype
+    directory.mkdir(parents=True)
+    config.save_pretrained(directory)
+    build_tiny_tokenizer().save_pretrained(directory)
+    shapes = expected_hf_tensors(directory).shapes
+    specs = [TensorSpec(name, TORCH_TO_ST[dtype], shape) for name, shape in shapes.items()]
+    writer = StreamingSafetensorsWriter(directory, specs, max_shard_bytes=5 * 10**8)
+    generator = torch.Generator().manual_seed(seed)
+    for spec in specs:
+        if "norm" in spec.name:
+            tensor = torch.ones(spec.shape, dtype=dtype)
+        else:
+            tensor = (torch.randn(spec.shape, generator=generator) * 0.02).to(dtype)
+        writer.write(spec.name, tensor)
+    writer.close()
+    return sum(s.nbytes for s in specs)
+
+
+def evict(root: Path) -> None:
+    """Drop `root`'s files from the page cache (after syncing them), so the next read hits the disk."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def sequential_read(files: list[Path]) -> tuple[int, float]:
+    """(bytes, seconds) to read `files` front to back in 16 MB blocks."""
+    buffer = bytearray(_READ_BLOCK)
+    total, start = 0, time.monotonic()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                total += n
+    return total, time.monotonic() - start
+
+
+def _phases(result: dict) -> str:
+    return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in result["phases"].items())
+
+
+def warm_imports() -> float:
+    """Import what a conversion imports, so start-up is timed on its own (seconds)."""
+    start = time.monotonic()
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import transformers  # noqa: F401
+
+    from megatron_sao.models.bridge_compat import import_auto_bridge
+
+    import_auto_bridge()
+    return time.monotonic() - start
+
+
+def sequential_write(path: Path, nbytes: int) -> float:
+    """Seconds to write `nbytes` to `path` in 16 MB blocks and fsync (the file is removed)."""
+    block = os.urandom(_READ_BLOCK)
+    start = time.monotonic()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(max(1, nbytes // _READ_BLOCK)):
+            f.write(block)
+        os.fsync(f.fileno())
+    seconds = time.monotonic() - start
+    path.unlink()
+    return seconds
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=2.0, help="model size (default 2.0)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dir", default=None, help="where to work (default: the system temp dir, e.g. /tmp)")
+    parser.add_argument("--nproc", type=int, default=1, help="conversion ranks (default 1)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--keep", action="store_true", help="keep the files")
+    args = parser.parse_args()
+
+    from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
+    from megatron_sao.checkpointing.launch import run_collective
+    from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
+    from megatron_sao.checkpointing.model_setup import Layout
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    work = Path(tempfile.mkdtemp(prefix="sao-bench-convert-", dir=args.dir))
+    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep)
+    try:
+        start = time.monotonic()
+        model_bytes = write_synthetic_checkpoint(work / "hf", args.size_gb * 1e9, dtype)
+        files = sorted((work / "hf").glob("*.safetensors"))
+        print(f"synthetic checkpoint: {human_bytes(model_bytes)} in {len(files)} files ({args.dtype}), "
+              f"written in {time.monotonic() - start:.1f} s under {work}")
+        evict(work)
+        read_bytes, read_s = sequential_read(files)
+        read_speed = read_bytes / read_s
+        print(f"sequential read: {human_bytes(read_bytes)} in {read_s:.2f} s = {human_bytes(read_speed)}/s")
+        write_s = sequential_write(work / "write_probe", model_bytes)
+        print(f"sequential write (+fsync): {human_bytes(model_bytes)} in {write_s:.2f} s = "
+              f"{human_bytes(model_bytes / write_s)}/s (a conversion writes as much as it reads)")
+        print(f"imports (megatron-core, megatron-bridge, transformers; paid once per process): {warm_imports():.1f} s")
+        rss_before = peak_rss_bytes()
+
+        evict(work)
+        _, up = run_collective(convert_hf_to_mcore, args.nproc, HfToMcoreRequest(
+            hf_dir=work / "hf", out_dir=work / "mcore", layout=layout, progress=False))
+        up_speed = model_bytes / up["seconds"]
+        print(f"hf-to-mcore [{layout.describe()}, {args.nproc} rank(s)]: {up['seconds']:.2f} s = "
+              f"{human_bytes(up_speed)}/s = {up_speed / read_speed:.2f} x sequential read  ({_phases(up)})")
+
+        evict(work)
+        _, down = run_collective(convert_mcore_to_hf, args.nproc, McoreToHfRequest(
+            mcore_dir=work / "mcore", out_dir=work / "hf_out", layout=layout, progress=False))
+        down_speed = model_bytes / down["seconds"]
+        print(f"mcore-to-hf [{layout.describe()}, {args.nproc} rank(s)]: {down['seconds']:.2f} s = "
+              f"{human_bytes(down_speed)}/s = {down_speed / read_speed:.2f} x sequential read  ({_phases(down)})")
+        if args.nproc == 1:
+            print(f"peak resident memory of this process: {human_bytes(peak_rss_bytes())} (before the conversions: "
+                  f"{human_bytes(rss_before)}; model {human_bytes(model_bytes)})")
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":  # the torch_dist writer starts a spawn Manager that re-imports __main__
+    main()
