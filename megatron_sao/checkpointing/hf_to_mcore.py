@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing import critic_format as cf
-from megatron_sao.checkpointing.bridge_ext import open_bridge
 from megatron_sao.checkpointing.collective import barrier, broadcast_object, rank, world_size
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.hf_files import (
@@ -48,6 +47,7 @@ from megatron_sao.checkpointing.output_dir import (
     human_bytes,
 )
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from megatron_sao.models.bridge_compat import load_auto_bridge
 
 
 @dataclass(kw_only=True)
@@ -202,7 +202,7 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
             handled |= {cf.VALUE_WEIGHT, cf.VALUE_BIAS, cf.LM_HEAD}
         spec = LoadSpec(checkpoint=plan.checkpoint, handled_hf_tensors=frozenset(handled), progress=request.progress,
                         skip_megatron_prefixes=("output_layer.",) if plan.role == "critic" else ())
-        load_hf_weights(open_bridge(view), chunks, spec)
+        load_hf_weights(load_auto_bridge(view), chunks, spec)
         value_head = None
         if plan.role == "critic":
             value_head = {"initialized": True, "init_std": request.value_head_init_std, "seed": request.seed}

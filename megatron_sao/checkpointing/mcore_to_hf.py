@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing import critic_format as cf
-from megatron_sao.checkpointing.bridge_ext import open_bridge
 from megatron_sao.checkpointing.collective import barrier, broadcast_object, gather_objects, raise_if_any, rank
 from megatron_sao.checkpointing.collective import world_size as get_world_size
 from megatron_sao.checkpointing.families import Family, family_of
@@ -52,6 +51,7 @@ from megatron_sao.checkpointing.output_dir import (
 )
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from megatron_sao.models.bridge_compat import load_auto_bridge
 
 
 @dataclass(kw_only=True)
@@ -207,7 +207,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         load_model(chunks, mcore)
         loaded_at = time.monotonic()
         phases["load"] = loaded_at - start - sum(phases.values())
-        bridge = open_bridge(view)
+        bridge = load_auto_bridge(view)
         model_bridge = bridge._model_bridge
         if plan.role == "critic":
             _skip_value_head_tasks(model_bridge)

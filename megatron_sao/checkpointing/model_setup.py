@@ -5,8 +5,9 @@ training uses, so the converted checkpoint has exactly the module tree (and dist
 training builds. It only adds provider overrides that conversion needs:
 - parameters in the checkpoint's dtype (bf16 stays bf16, also on CPU, where training computes in
   fp32 and upcasts on load),
-- no random initialisation (every element is overwritten; see hf_to_mcore's completeness check),
-- on CPU, `cpu_spec.cpu_block_spec` so dense-first, MLA and DSA families build (see that module).
+- no random initialisation (every element is overwritten; see hf_to_mcore's completeness check).
+On CPU `models.build` itself uses `models.cpu_spec.cpu_block_spec`, so dense-first, MLA and DSA
+families build the same module tree here and in training.
 """
 
 from __future__ import annotations
@@ -63,10 +64,6 @@ def conversion_config(hf_dir: Path, layout: Layout, world_size: int, dtype: torc
     if dtype != torch.float32:
         provider.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
                         pipeline_dtype=dtype)
-    if not torch.cuda.is_available():
-        from megatron_sao.checkpointing.cpu_spec import cpu_block_spec
-
-        provider["transformer_layer_spec"] = cpu_block_spec
     return config
 
 

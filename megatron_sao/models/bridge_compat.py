@@ -1,19 +1,30 @@
 """Importing and using megatron-bridge on machines without Transformer Engine.
 
 megatron-bridge (0.6.x) imports `transformer_engine.pytorch` unconditionally in a few modules,
-and its weight mappings name the input/pre-MLP norms by their Transformer Engine names (fused
-into the following linear: `linear_qkv.layer_norm_weight`), while Megatron-Core's local (non-TE)
-layer spec, the only one that runs on CPU, keeps them as separate modules. Both are bridged
-here, only when TE is absent; with TE installed megatron-bridge is used unmodified.
+and its weight mappings name modules as the Transformer Engine specs build them, while the local
+(non-TE) layer spec, the only one that runs on CPU, differs in three ways:
+- norms fused into the following linear under TE (`linear_qkv.layer_norm_weight`) are separate
+  modules (`input_layernorm.weight`);
+- some family bridges (GLM-4.5) name routed experts only in the grouped-GEMM form
+  (`mlp.experts.linear_fc1.weight<E>`) while the local spec builds `SequentialMLP`
+  (`mlp.experts.local_experts.<E>.linear_fc1.weight`); without an alias those experts have no
+  mapping and the bridge skips them with only a log line, the silent expert drop this project
+  must not have;
+- the DSA indexer's replicated projections are `cpu_spec.DuplicatedLinear`, a module type the
+  bridge must be told is TP-replicated.
+All three are bridged here, only when TE is absent; with TE installed megatron-bridge is used
+unmodified.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import re
 import sys
 import types
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 # TE fused-norm parameter name -> the local spec's separate norm module parameter.
@@ -119,11 +130,61 @@ def _add_local_spec_aliases(bridge_cls: type) -> None:
     bridge_cls._sao_local_aliases = True
 
 
-def load_auto_bridge(hf_path: str, dtype: Any = None):
-    """An AutoBridge for the HF checkpoint at `hf_path`, with local-spec norm names when TE is absent."""
+# grouped-GEMM expert parameter pattern -> SequentialMLP (local spec) pattern; the expert number is
+# the second wildcard in both, so the HF side of the mapping is unchanged.
+_GROUPED_TO_LOCAL = re.compile(r"^(?P<head>.*\.mlp\.experts)\.(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)\*$")
+
+
+def _local_expert_alias(mapping: Any) -> Any | None:
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+
+    match = _GROUPED_TO_LOCAL.match(mapping.megatron_param)
+    if match is None:
+        return None
+    local = f"{match['head']}.local_experts.*.{match['fc']}.{match['kind']}"
+    if type(mapping) is GatedMLPMapping:
+        return GatedMLPMapping(megatron_param=local, gate=mapping.hf_param["gate"], up=mapping.hf_param["up"])
+    if type(mapping) is AutoMapping and isinstance(mapping.hf_param, str):
+        return AutoMapping(megatron_param=local, hf_param=mapping.hf_param)
+    raise NotImplementedError(
+        f"no local-spec alias for expert mapping {type(mapping).__name__}({mapping.megatron_param}): "
+        "issue 4, docs/conversion.md#families"
+    )
+
+
+def _add_local_expert_aliases(bridge_cls: type) -> None:
+    if getattr(bridge_cls, "_sao_local_expert_aliases", False):
+        return
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+
+    original = bridge_cls.mapping_registry
+
+    def mapping_registry(self):
+        registry = original(self)
+        names = {m.megatron_param for m in registry.mappings}
+        aliases = []
+        for mapping in registry.mappings:
+            alias = _local_expert_alias(mapping)
+            if alias is not None and alias.megatron_param not in names:
+                aliases.append(alias)
+                names.add(alias.megatron_param)
+        return MegatronMappingRegistry(*registry.mappings, *aliases)
+
+    bridge_cls.mapping_registry = mapping_registry
+    bridge_cls._sao_local_expert_aliases = True
+
+
+def load_auto_bridge(hf_path: str | Path, dtype: Any = None):
+    """An AutoBridge for the HF checkpoint at `hf_path` (weights stay lazy), with the local-spec
+    names above when TE is absent."""
     auto_bridge_cls = import_auto_bridge()
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
-    bridge = auto_bridge_cls.from_hf_pretrained(hf_path, **kwargs)
+    bridge = auto_bridge_cls.from_hf_pretrained(str(hf_path), **kwargs)
     if not have_transformer_engine():
-        _add_local_spec_aliases(type(bridge._model_bridge))
+        from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+        AutoMapping.register_module_type("DuplicatedLinear", "replicated")
+        bridge_cls = type(bridge._model_bridge)
+        _add_local_spec_aliases(bridge_cls)
+        _add_local_expert_aliases(bridge_cls)
     return bridge

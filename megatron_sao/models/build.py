@@ -2,8 +2,9 @@
 
 megatron-bridge reads the HF config, maps it to a Megatron model provider and loads the weights;
 this module only chooses the layer spec and fusions for the machine (Transformer Engine spec on
-GPU, local spec on CPU), applies the parallel layout and the recipe's architecture overrides,
-turns the critic's LM head into a value head, and sets which parameter groups train.
+GPU, Megatron-Core's per-layer local spec on CPU: `cpu_spec.cpu_block_spec`), applies the
+parallel layout and the recipe's architecture overrides, turns the critic's LM head into a value
+head, and sets which parameter groups train.
 """
 
 from __future__ import annotations
@@ -139,9 +140,9 @@ def _configure_provider(provider: Any, config: SaoConfig) -> None:
         if model.recompute_granularity == "full":
             provider.recompute_method, provider.recompute_num_layers = "uniform", 1
     if not on_gpu:
-        from megatron.bridge.models.gpt_provider import local_layer_spec
+        from megatron_sao.models.cpu_spec import cpu_block_spec
 
-        provider.transformer_layer_spec = local_layer_spec
+        provider.transformer_layer_spec = cpu_block_spec
         provider.use_cpu_initialization = True
         provider.autocast_dtype = None
         for name in _CPU_FUSIONS_OFF:

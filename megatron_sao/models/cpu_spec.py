@@ -1,9 +1,9 @@
 """Megatron-Core layer specs that build every supported family without Transformer Engine (CPU).
 
-`models.build` uses megatron-bridge's `local_layer_spec` on CPU: one uniform MoE layer with
-standard attention for every layer. That is right for Qwen3-MoE but wrong for the other families
-the recipes use: GLM-4.5 and DeepSeek-V3 start with dense layers (`moe_layer_freq`), DeepSeek-V3
-and GLM-5 use multi-latent attention (MLA), GLM-5 adds the DSA indexer. `cpu_block_spec` is
+megatron-bridge's `local_layer_spec` builds one uniform MoE layer with standard attention for
+every layer. That is right for Qwen3-MoE but wrong for the other families the recipes use:
+GLM-4.5 and DeepSeek-V3 start with dense layers (`moe_layer_freq`), DeepSeek-V3 and GLM-5 use
+multi-latent attention (MLA), GLM-5 adds the DSA indexer. `cpu_block_spec` is
 Megatron-Core's own per-layer block spec (`get_gpt_decoder_block_spec`) with the local backend,
 which the family bridges would use with Transformer Engine off, plus the two pieces Megatron-Core
 0.19.2 lacks for that path:
@@ -14,9 +14,8 @@ which the family bridges would use with Transformer Engine off, plus the two pie
 - the DSA indexer asks its backend for a plain (TP-duplicated) `linear()`, which the local
   backend does not provide. `DuplicatedLinear` is that layer on torch.
 
-Conversion passes `cpu_block_spec` as `model.provider_overrides.transformer_layer_spec` when CUDA
-is absent; on GPU the bridges' own (Transformer Engine) specs apply. `models.build` should use it
-on CPU too (see docs/conversion.md#families).
+`models.build` uses `cpu_block_spec` whenever CUDA is absent (training and conversion alike); on
+GPU the bridges' own (Transformer Engine) specs apply.
 """
 
 from __future__ import annotations
