@@ -1,10 +1,12 @@
 """The async multi-turn agent loop: environments x engines -> trajectories.
 
-For one prompt: render the environment's opening messages with the chat template, then repeat
-{generate one assistant turn token-in / token-out (stop at the EOS / `<|im_end|>` token), record
-its tokens with the engine's log-probs and per-token weight versions (loss_mask 1), decode the
-action text, `env.step` it, append the observation as the template renders it (loss_mask 0)}
-until the environment says done (COMPLETED) or a turn / token limit is reached (TRUNCATED).
+For one prompt: `await env.reset(sample)`, render its messages (and the tools it declares,
+`env.tools`) with the chat template, then repeat {generate one assistant turn token-in /
+token-out (stop at the EOS / `<|im_end|>` token), record its tokens with the engine's log-probs
+and per-token weight versions (loss_mask 1), decode the action text, `env.step` it, append the
+observation as the template renders it (loss_mask 0)} until the environment says done
+(COMPLETED; TRUNCATED when it says `truncated`, its own limit) or a turn / token limit of the
+loop is reached (TRUNCATED).
 Many trajectories run at once (`max_concurrent_trajectories`); every generate call goes through
 the `EnginePool`, so turns spread over engines by load.
 
@@ -18,7 +20,9 @@ Failure handling, one trajectory at a time (the loop itself never raises for the
   -> the partial turn is kept and generation resumes from it (`resume_on_engine_abort`); after
   `AgentLoop.abort()` -> ABORTED.
 Rewards: a per-turn reward on the last token of its action span, the terminal reward (with
-done) on the last action token; truncated trajectories get `truncation_reward` as terminal.
+done) on the last action token. Who ends the episode scores it: a trajectory the loop truncates
+gets `truncation_reward` as terminal; one the environment ends with `truncated=True` keeps the
+environment's reward (it judged the episode when it cut it short).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from megatron_sao.rollout.chat_format import ChatFormat
 from megatron_sao.rollout.client import EngineError, EngineUnavailableError, GenerateOutput, SamplingParams
 from megatron_sao.rollout.engine_pool import EnginePool
-from megatron_sao.rollout.environment import Environment, PromptSample, StepResult
+from megatron_sao.rollout.environment import TRUNCATION_REASON_KEY, Environment, PromptSample, StepResult
 from megatron_sao.rollout.trajectory import FinishType, RewardKind, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
@@ -64,7 +68,8 @@ class AgentLoopConfig:
     resume_on_engine_abort: bool = True
     """Continue a turn whose generate call an engine aborted (keeping the partial tokens)."""
     truncation_reward: float | None = 0.0
-    """Terminal reward recorded for a TRUNCATED trajectory; None records none."""
+    """Terminal reward recorded when the loop truncates a trajectory (one of its limits); None
+    records none. An environment that truncates (`StepResult.truncated`) gives its own reward."""
     env_step_timeout_s: float | None = None
     """Time limit of one `env.step`; exceeding it -> FAILED ("env_step_timeout")."""
 
@@ -213,11 +218,8 @@ class AgentLoop:
 
     async def _episode(self, env: Environment, sample: PromptSample, traj: Trajectory) -> None:
         cfg = self.config
-        try:
-            messages = env.reset(sample)
-        except Exception as e:
-            raise _Stop(TrajectoryStatus.FAILED, f"env_reset_error: {e!r}") from e
-        traj.set_prompt(self.chat.encode_prompt(messages))
+        messages, tools = await self._reset(env, sample, traj)
+        traj.set_prompt(self.chat.encode_prompt(messages, tools))
         if len(traj) >= cfg.max_total_tokens:
             raise _Stop(TrajectoryStatus.FAILED, f"prompt_too_long: {len(traj)} >= max_total_tokens")
         while True:
@@ -237,16 +239,37 @@ class AgentLoop:
             _keep_info(traj, result)
             if result.done:  # a finished episode is kept even if an abort came meanwhile
                 traj.add_reward(result.reward, RewardKind.TERMINAL)
+                if result.truncated:
+                    reason = result.info.get(TRUNCATION_REASON_KEY)
+                    raise _Stop(TrajectoryStatus.TRUNCATED, f"env_truncated: {reason}" if reason else "env_truncated")
                 raise _Stop(TrajectoryStatus.COMPLETED, "done")
             self._check_abort()
             if result.reward != 0.0:
                 traj.add_reward(result.reward, RewardKind.TURN)
             if len(traj.turns) >= cfg.max_turns:
                 raise self._truncate(traj, "max_turns")
-            observation = self.chat.encode_observation(result.observation, result.role, action_ids)
+            observation = self.chat.encode_observation(result.observation, result.role, action_ids, tools)
             if len(traj) + len(observation) >= cfg.max_total_tokens:
                 raise self._truncate(traj, "max_total_tokens")
             traj.append_observation(observation)
+
+    async def _reset(
+        self, env: Environment, sample: PromptSample, traj: Trajectory
+    ) -> tuple[list[dict[str, str]], list[dict] | None]:
+        """The episode's prompt messages and declared tools; any failure -> FAILED env_reset_error.
+        Its time counts in `env_s` (an environment may start a sandbox or container here)."""
+        start = time.perf_counter()
+        try:
+            messages = await env.reset(sample)
+            tools = env.tools
+        except Exception as e:
+            raise _Stop(TrajectoryStatus.FAILED, f"env_reset_error: {e!r}") from e
+        finally:
+            traj.timings.env_s += time.perf_counter() - start
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            reason = f"env_reset_error: tools must be None or a list of dicts, got {tools!r:.80}"
+            raise _Stop(TrajectoryStatus.FAILED, reason)
+        return messages, tools
 
     async def _step(self, env: Environment, action_text: str, traj: Trajectory) -> StepResult:
         start = time.perf_counter()

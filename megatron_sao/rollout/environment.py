@@ -1,17 +1,27 @@
 """The environment interface the agent loop drives.
 
 An environment is one episode of an agentic task: it turns a dataset sample into the opening chat
-messages, then answers each model action (the decoded text of one assistant turn) with an
-observation, an optional per-turn reward and a done flag. Environments know nothing of tokens,
-engines or log-probs: the agent loop owns tokenisation (token-in / token-out) and the trajectory
-record. Implementations live beside this file (`envs/`); external scaffolds adapt to it.
+messages (and, optionally, the tools to declare to the chat template), then answers each model
+action (the decoded text of one assistant turn) with an observation, an optional per-turn reward
+and a done flag. Environments know nothing of tokens, engines or log-probs: the agent loop owns
+tokenisation (token-in / token-out) and the trajectory record. Implementations live beside this
+file (`envs/`); external scaffolds adapt to it.
+
+`reset`, `step` and `close` are coroutines because an environment may do I/O in any of them
+(start a container, call a server): the agent loop runs hundreds of episodes on one event loop,
+and a blocking call in any one of them would stall all the others.
 """
 
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
+
+TRUNCATION_REASON_KEY = "truncation_reason"
+"""`StepResult.info[TRUNCATION_REASON_KEY] = "reason"` names the limit behind `truncated=True`
+(e.g. "max_turns"); the agent loop records it in the trajectory's `status_reason`."""
 
 
 @dataclass(slots=True)
@@ -41,16 +51,51 @@ class StepResult:
     observation: str
     reward: float = 0.0
     done: bool = False
+    truncated: bool = False
+    """The episode ended because of a limit of the environment's own (a turn or tool budget), not
+    a natural end; requires `done=True`. The agent loop records the trajectory TRUNCATED (reason
+    `info[TRUNCATION_REASON_KEY]` when given) and keeps `reward` as its terminal reward: the
+    environment scored the episode when it cut it short, so the loop's `truncation_reward` (for
+    limits the loop hits itself) does not replace it."""
     role: str = "tool"
     info: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.truncated and not self.done:
+            raise ValueError("StepResult(truncated=True) ends the episode: set done=True as well")
+
 
 class Environment(abc.ABC):
-    """One stateful episode. A fresh instance is made for every trajectory."""
+    """One stateful episode. A fresh instance is made for every trajectory.
+
+    The agent loop calls `await reset(sample)` once, reads `tools`, then `await step(action)` until
+    a result is done (or a loop limit is hit), and always `await close()` last, also after a
+    failed `reset`.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a synchronous `reset` / `step` / `close` when the class is defined: the loop
+        awaits them, and an environment written before `reset` became async would otherwise fail
+        every trajectory at run time."""
+        super().__init_subclass__(**kwargs)
+        for name in ("reset", "step", "close"):
+            method = cls.__dict__.get(name)
+            if method is not None and not inspect.iscoroutinefunction(method):
+                raise TypeError(f"{cls.__qualname__}.{name} must be a coroutine (`async def {name}`)")
 
     @abc.abstractmethod
-    def reset(self, sample: PromptSample) -> list[dict[str, str]]:
-        """Start the episode; return the chat messages that form the prompt."""
+    async def reset(self, sample: PromptSample) -> list[dict[str, str]]:
+        """Start the episode; return the chat messages that form the prompt. Slow preparation
+        (starting a sandbox or container, asking a server for the task) belongs here; bound its
+        waits yourself, the loop sets no time limit on `reset`."""
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """OpenAI-style JSON tool schemas (`{"type": "function", "function": {"name",
+        "description", "parameters"}}`) the chat template declares in the prompt
+        (`apply_chat_template(..., tools=...)`), or None to declare none. Read once, after
+        `reset`, so an environment may decide them there."""
+        return None
 
     @abc.abstractmethod
     async def step(self, action_text: str) -> StepResult:

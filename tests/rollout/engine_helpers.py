@@ -1,5 +1,5 @@
 """Shared pieces of the engine / agent-loop tests: the tiny checkpoint, an in-process CPU engine
-on a free port, and a scripted test-only environment."""
+on a free port, a scripted engine (no model) and a scripted test-only environment."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import functools
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_sao.rollout.client import FinishReason, GenerateOutput, SamplingParams, VersionSpan
 from megatron_sao.rollout.cpu_engine import CPUEngineConfig, ServerThread
 from megatron_sao.rollout.environment import Environment, PromptSample, StepResult
 from megatron_sao.rollout.launcher import free_port
@@ -53,6 +55,29 @@ def stoppy_checkpoint() -> Path:
 
 IM_END = 258  # <|im_end|> in the tiny tokenizer (megatron_sao.utils.tiny_hf.SPECIAL_TOKENS)
 
+# The tiny chat template plus tools, Qwen-style: declared tools open the prompt as a system block
+# (one JSON schema per line), and - so that a test notices observation glue computed without the
+# tools - tool messages are wrapped in <tool_response> only when tools are declared.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def tools_tokenizer():
+    """The tiny tokenizer with `TOOLS_CHAT_TEMPLATE` (a fresh copy; the checkpoint is untouched)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint())
+    tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+    return tokenizer
+
 
 @contextlib.contextmanager
 def cpu_engine(model_path: Path | None = None, **overrides) -> Iterator[ServerThread]:
@@ -70,6 +95,64 @@ def cpu_engine(model_path: Path | None = None, **overrides) -> Iterator[ServerTh
         yield server
     finally:
         server.stop()
+
+
+@dataclass
+class Answer:
+    tokens: list[int]
+    finish: str  # "stop" (tokens end with IM_END) or "abort" (an engine-side abort, partial)
+    bump_at: int | None  # a weight update lands before this output index
+
+
+@dataclass
+class ScriptedEngine:
+    """Answers generate calls from a script, honouring max_new_tokens like an engine does."""
+
+    answers: list[Answer]
+    version: int = 0
+    base_url: str = "scripted://engine"
+    calls: list[tuple[list[int], int, list[int], list[float], list[int], str]] = field(default_factory=list)
+
+    async def generate(self, input_ids, sampling_params: SamplingParams, rid=None, **_) -> GenerateOutput:
+        answer = self.answers.pop(0)
+        limit = sampling_params.max_new_tokens
+        tokens, finish = answer.tokens, answer.finish
+        if len(tokens) > limit:
+            tokens, finish = tokens[:limit], "length"
+        logprobs = [-0.01 * (len(self.calls) + 1) - 0.001 * i for i in range(len(tokens))]
+        versions = []
+        for i in range(len(tokens)):
+            if i == answer.bump_at:
+                self.version += 1
+            versions.append(self.version)
+        spans: list[VersionSpan] = []
+        for i, v in enumerate(versions):
+            if spans and spans[-1].version == str(v):
+                spans[-1].end = i + 1
+            else:
+                spans.append(VersionSpan(str(v), i, i + 1))
+        self.calls.append((list(input_ids), limit, tokens, logprobs, versions, finish))
+        return GenerateOutput(
+            rid=rid or "",
+            text="",
+            output_ids=tokens,
+            output_logprobs=logprobs,
+            finish_reason=FinishReason(finish, matched=IM_END if finish == "stop" else None),
+            prompt_tokens=len(input_ids),
+            completion_tokens=len(tokens),
+            weight_version=str(self.version),
+            weight_version_spans=spans,
+            meta_info={},
+        )
+
+    async def health_generate(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    async def abort_request(self, rid=None, abort_all=False) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
 
 
 class ScriptedEnv(Environment):
@@ -97,7 +180,7 @@ class ScriptedEnv(Environment):
         self.actions: list[str] = []
         self.closed = False
 
-    def reset(self, sample: PromptSample) -> list[dict[str, str]]:
+    async def reset(self, sample: PromptSample) -> list[dict[str, str]]:
         return list(sample.messages)
 
     async def step(self, action_text: str) -> StepResult:

@@ -112,7 +112,8 @@ def test_env_and_reward_failures_mark_the_trajectory_failed(engine, tokenizer):
     }
 
     class BrokenReset(ScriptedEnv):
-        def reset(self, s):
+        async def reset(self, s):
+            await asyncio.sleep(0)  # an awaited reset fails like a synchronous one did
             raise OSError("sandbox did not start")
 
     def factory(s):

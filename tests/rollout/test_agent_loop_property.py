@@ -7,77 +7,17 @@ right tokens, and the status the limits imply."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_sao.rollout.client import FinishReason, GenerateOutput, SamplingParams, VersionSpan
 from megatron_sao.rollout.engine_pool import EnginePool
 from megatron_sao.rollout.trajectory import RewardKind, TrajectoryStatus
-from tests.rollout.engine_helpers import IM_END, ScriptedEnv, sample, tiny_checkpoint
+from tests.rollout.engine_helpers import IM_END, Answer, ScriptedEngine, ScriptedEnv, sample, tiny_checkpoint
 
 TOKENIZER = AutoTokenizer.from_pretrained(tiny_checkpoint())
-
-
-@dataclass
-class Answer:
-    tokens: list[int]
-    finish: str  # "stop" (tokens end with IM_END) or "abort" (an engine-side abort, partial)
-    bump_at: int | None  # a weight update lands before this output index
-
-
-@dataclass
-class ScriptedEngine:
-    """Answers generate calls from a script, honouring max_new_tokens like an engine does."""
-
-    answers: list[Answer]
-    version: int = 0
-    base_url: str = "scripted://engine"
-    calls: list[tuple[list[int], int, list[int], list[float], list[int], str]] = field(default_factory=list)
-
-    async def generate(self, input_ids, sampling_params: SamplingParams, rid=None, **_) -> GenerateOutput:
-        answer = self.answers.pop(0)
-        limit = sampling_params.max_new_tokens
-        tokens, finish = answer.tokens, answer.finish
-        if len(tokens) > limit:
-            tokens, finish = tokens[:limit], "length"
-        logprobs = [-0.01 * (len(self.calls) + 1) - 0.001 * i for i in range(len(tokens))]
-        versions = []
-        for i in range(len(tokens)):
-            if i == answer.bump_at:
-                self.version += 1
-            versions.append(self.version)
-        spans: list[VersionSpan] = []
-        for i, v in enumerate(versions):
-            if spans and spans[-1].version == str(v):
-                spans[-1].end = i + 1
-            else:
-                spans.append(VersionSpan(str(v), i, i + 1))
-        self.calls.append((list(input_ids), limit, tokens, logprobs, versions, finish))
-        return GenerateOutput(
-            rid=rid or "",
-            text="",
-            output_ids=tokens,
-            output_logprobs=logprobs,
-            finish_reason=FinishReason(finish, matched=IM_END if finish == "stop" else None),
-            prompt_tokens=len(input_ids),
-            completion_tokens=len(tokens),
-            weight_version=str(self.version),
-            weight_version_spans=spans,
-            meta_info={},
-        )
-
-    async def health_generate(self, timeout_s: float = 30.0) -> bool:
-        return True
-
-    async def abort_request(self, rid=None, abort_all=False) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
 
 
 plain_tokens = st.lists(st.integers(0, 255), min_size=1, max_size=7)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_sao.rollout.datasets import load_prompts
-from megatron_sao.rollout.environment import PromptSample, StepResult
+from megatron_sao.rollout.environment import TRUNCATION_REASON_KEY, PromptSample, StepResult
 from megatron_sao.rollout.envs import make_env_factory
 from megatron_sao.rollout.envs.calc import (
     CALL_CLOSE,
@@ -27,11 +27,11 @@ from megatron_sao.utils.tiny_hf import SPECIAL_TOKENS
 
 def _play(env: CalcEnv, sample: PromptSample, policy, max_turns: int = 10) -> tuple[list[StepResult], int]:
     """Drive one episode; `policy(sample, observations) -> action`. Returns results and turns."""
-    env.reset(sample)
     observations: list[str] = []
     results: list[StepResult] = []
 
     async def run() -> None:
+        assert await env.reset(sample) == sample.messages
         for _ in range(max_turns):
             result = await env.step(policy(sample, observations))
             results.append(result)
@@ -48,7 +48,7 @@ def test_oracle_gets_full_reward_through_a_tool_call() -> None:
     for sample in generate_calc_samples(200, seed=0, max_digits=3):
         results, turns = _play(factory(sample), sample, oracle_action)
         assert results[0].observation == sample.answer  # the calculator's answer
-        assert results[-1].done and results[-1].reward == 1.0, sample
+        assert results[-1].done and not results[-1].truncated and results[-1].reward == 1.0, sample
         assert results[-1].info["num_tool_calls"] == 1 and turns == 2
 
 
@@ -111,8 +111,10 @@ def test_turn_limit_ends_and_scores_the_episode() -> None:
     expression = sample.metadata["expression"]
     results, turns = _play(CalcEnv(CalcConfig(max_turns=2)), sample,
                            lambda s, obs: f"{CALL_OPEN}{expression}{CALL_CLOSE}")
-    assert turns == 2 and results[-1].done and results[-1].info["truncated"] == "max_turns"
+    assert turns == 2 and results[-1].done and results[-1].truncated
+    assert results[-1].info[TRUNCATION_REASON_KEY] == "max_turns"
     assert results[-1].reward == pytest.approx(0.2)  # tool credit only
+    assert not any(r.truncated for r in results[:-1])
     assert results[0].observation == sample.answer
 
 
@@ -143,4 +145,4 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="sum to 1"):
         CalcConfig(tool_weight=0.5)
     with pytest.raises(ValueError, match="has no answer"):
-        CalcEnv().reset(PromptSample(prompt_id="x", messages=[{"role": "user", "content": "1+1"}]))
+        asyncio.run(CalcEnv().reset(PromptSample(prompt_id="x", messages=[{"role": "user", "content": "1+1"}])))

@@ -12,6 +12,7 @@ from megatron_sao.rollout.environment import PromptSample
 from megatron_sao.rollout.envs import make_env_factory
 from megatron_sao.rollout.envs.math_python import (
     DEFAULT_SYSTEM_PROMPT,
+    PYTHON_TOOL_SCHEMA,
     MathPythonConfig,
     MathPythonEnv,
     MathPythonEnvFactory,
@@ -39,30 +40,31 @@ def factory() -> Iterator[MathPythonEnvFactory]:
     f.close()
 
 
-def _episode(env: MathPythonEnv, sample: PromptSample, actions: list[str]) -> list:
-    env.reset(sample)
-
-    async def run() -> list:
-        return [await env.step(action) for action in actions]
+def _episode(env: MathPythonEnv, sample: PromptSample, actions: list[str]) -> tuple[list, list]:
+    """(prompt messages from reset, step results of `actions`)."""
+    async def run() -> tuple[list, list]:
+        messages = await env.reset(sample)
+        return messages, [await env.step(action) for action in actions]
 
     return asyncio.run(run())
 
 
 def test_tool_call_then_boxed_answer(factory: MathPythonEnvFactory) -> None:
     env = factory(_sample())
-    messages = env.reset(_sample())
+    messages, (tool, final) = _episode(env, _sample(), ["I will compute. " + _call("x = 2\nx ** 10"),
+                                                        r"So \boxed{1024}."])
     assert messages == [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
                         {"role": "user", "content": "What is 2^10?"}]
-    tool, final = _episode(env, _sample(), ["I will compute. " + _call("x = 2\nx ** 10"), r"So \boxed{1024}."])
     assert tool.observation == "1024" and not tool.done and tool.role == "tool" and tool.reward == 0.0
     assert final.done and final.reward == 1.0 and final.observation == ""
     assert final.info == {"num_tool_calls": 1, "answer": "1024"}
+    assert env.tools == [PYTHON_TOOL_SCHEMA]  # declared to the chat template by default (qwen syntax)
 
 
 def test_wrong_or_missing_answer_scores_zero(factory: MathPythonEnvFactory) -> None:
-    (wrong,) = _episode(factory(_sample()), _sample(), [r"\boxed{1000}"])
+    _, (wrong,) = _episode(factory(_sample()), _sample(), [r"\boxed{1000}"])
     assert wrong.done and wrong.reward == 0.0
-    (missing,) = _episode(factory(_sample()), _sample(), ["I think it is 1024."])
+    _, (missing,) = _episode(factory(_sample()), _sample(), ["I think it is 1024."])
     assert missing.done and missing.reward == 0.0 and missing.info["answer"] is None
 
 
@@ -74,7 +76,7 @@ def test_failures_become_observations(factory: MathPythonEnvFactory) -> None:
         '<tool_call>{"name": "bash", "arguments": {"code": "ls"}}</tool_call>',
         '<tool_call>{"name": "python", "arguments": {"source": "1"}}</tool_call>',
     ]
-    crash, hang, broken, unknown, no_code = _episode(factory(_sample()), _sample(), actions)
+    _, (crash, hang, broken, unknown, no_code) = _episode(factory(_sample()), _sample(), actions)
     assert crash.observation.startswith("partial\nTraceback") and "ZeroDivisionError" in crash.observation
     assert crash.observation.endswith("Error: exited with status 1")
     assert hang.observation == "Error: timed out after 5 s"
@@ -86,7 +88,7 @@ def test_failures_become_observations(factory: MathPythonEnvFactory) -> None:
 
 def test_tool_call_limits(factory: MathPythonEnvFactory) -> None:
     many = " ".join(_call(f"print({i})") for i in range(6))
-    first, second = _episode(factory(_sample()), _sample(), [many, _call("print('again')")])
+    _, (first, second) = _episode(factory(_sample()), _sample(), [many, _call("print('again')")])
     assert first.observation.split("\n\n") == ["0", "1", "2", "Error: the tool-call limit (3) is reached; "
                                                "give the final answer in \\boxed{}",
                                                "Error: at most 4 tool calls per turn; 2 not run"]
@@ -94,7 +96,7 @@ def test_tool_call_limits(factory: MathPythonEnvFactory) -> None:
 
 
 def test_failed_reward_is_reported_not_raised(factory: MathPythonEnvFactory) -> None:
-    (final,) = _episode(factory(_sample(answer=None)), _sample(answer=None), [r"\boxed{3}"])
+    _, (final,) = _episode(factory(_sample(answer=None)), _sample(answer=None), [r"\boxed{3}"])
     assert final.done and final.reward == 0.0
     assert "has no reference answer" in final.info[REWARD_ERROR_KEY]
     assert factory.reward.stats.failures["exception:ValueError"] >= 1
@@ -107,8 +109,9 @@ def test_fenced_syntax_and_own_system_prompt() -> None:
         own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7?"}]
         sample = _sample(answer="42", messages=own)
         env = factory(sample)
-        assert env.reset(sample) == own  # a dataset's own system prompt is kept
-        tool, final = _episode(env, sample, [f"{FENCE}python\nprint(6 * 7)\n{FENCE}", r"\boxed{42}"])
+        messages, (tool, final) = _episode(env, sample, [f"{FENCE}python\nprint(6 * 7)\n{FENCE}", r"\boxed{42}"])
+        assert messages == own  # a dataset's own system prompt is kept
+        assert env.tools is None  # fenced calls are not the template's <tool_call> format
         assert tool.observation == "42" and final.reward == 1.0
     finally:
         factory.close()
@@ -118,7 +121,7 @@ def test_concurrent_episodes_share_the_pool(factory: MathPythonEnvFactory) -> No
     async def one(i: int) -> float:
         sample = _sample(answer=str(i * i))
         env = factory(sample)
-        env.reset(sample)
+        await env.reset(sample)
         observation = (await env.step(_call(f"print({i} * {i})"))).observation
         return (await env.step(f"\\boxed{{{observation.strip()}}}")).reward
 
@@ -133,3 +136,16 @@ def test_registry_rejects_bad_options() -> None:
         make_env_factory("math_python", timeout=3)
     with pytest.raises(ValueError, match="tool_syntax"):
         MathPythonConfig(tool_syntax="xml")
+
+
+@pytest.mark.parametrize(("syntax", "declare", "declared"), [
+    ("qwen", None, True), ("both", None, True), ("fenced", None, False), ("qwen", False, False), ("both", True, True),
+])
+def test_which_configurations_declare_the_tool(syntax: str, declare: bool | None, declared: bool) -> None:
+    env = MathPythonEnv(MathPythonConfig(tool_syntax=syntax, declare_tools=declare), pool=None, reward=None)
+    assert env.tools == ([PYTHON_TOOL_SCHEMA] if declared else None)
+    if declared:  # each episode gets its own copy: an edit cannot leak into other episodes
+        env.tools[0]["function"]["name"] = "changed"
+        assert PYTHON_TOOL_SCHEMA["function"]["name"] == "python"
+    with pytest.raises(ValueError, match="declare_tools"):
+        MathPythonConfig(tool_syntax="fenced", declare_tools=True)

@@ -19,8 +19,10 @@ varying signal (weights sum to 1; the scripted oracle gets exactly 1.0):
 Answering correctly without the tool earns 0.8, so the optimum needs the call.
 
 Turn limits: this environment ends (and scores) the episode itself after `max_turns` assistant
-turns, so set the agent loop's `max_turns` at least as high; the calculator runs in-process
-(a strict arithmetic evaluator, no sandbox: the demo makes thousands of calls).
+turns (`StepResult.truncated`, reason "max_turns": the loop records it TRUNCATED with this
+environment's graded reward), so set the agent loop's `max_turns` at least as high. The
+calculator runs in-process (a strict arithmetic evaluator, no sandbox: the demo makes thousands
+of calls).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_sao.rollout.environment import Environment, PromptSample, StepResult
+from megatron_sao.rollout.environment import TRUNCATION_REASON_KEY, Environment, PromptSample, StepResult
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _ARITHMETIC = re.compile(r"[0-9+\-*() ]+")
@@ -121,7 +123,7 @@ class CalcEnv(Environment):
         self.calls: list[str] = []
         self.turns = 0
 
-    def reset(self, sample: PromptSample) -> list[dict[str, str]]:
+    async def reset(self, sample: PromptSample) -> list[dict[str, str]]:
         if sample.answer is None:
             raise ValueError(f"calc sample {sample.prompt_id!r} has no answer")
         self.expression = str(sample.metadata.get("expression", sample.messages[-1]["content"]))
@@ -144,8 +146,8 @@ class CalcEnv(Environment):
         parts = score(self.calls, answer, self.expression, self.target, self.config)
         info: dict[str, Any] = {**parts, "num_tool_calls": len(self.calls)}
         if truncated:
-            info["truncated"] = "max_turns"
-        return StepResult(observation="", reward=parts["reward"], done=True, info=info)
+            info[TRUNCATION_REASON_KEY] = "max_turns"
+        return StepResult(observation="", reward=parts["reward"], done=True, truncated=truncated, info=info)
 
 
 def make_calc(**kwargs: Any) -> Any:

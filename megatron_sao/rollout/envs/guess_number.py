@@ -4,7 +4,9 @@ Run as a separate process (`python -m megatron_sao.rollout.envs.guess_number`) a
 `external.SubprocessEnvironment` over the line protocol documented there; it imports nothing
 from the project, as a third-party scaffold would not. The secret is the sample's `answer`;
 the model's guess is the last integer in its turn. Reward when found: 1.0 for a first-try guess,
-0.1 less per extra guess (at least 0.1); after `MAX_GUESSES` wrong guesses the episode ends at 0.
+0.1 less per extra guess (at least 0.1); after `MAX_GUESSES` wrong guesses the episode ends at 0,
+marked truncated (reason "max_guesses"). The reset reply keeps the dataset's prompt and declares
+no tools (both optional in the protocol).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def handle(request: dict, state: dict) -> dict:
         return {"observation": "", "reward": max(0.1, 1.0 - 0.1 * (state["guesses"] - 1)), "done": True,
                 "info": info}
     if state["guesses"] >= MAX_GUESSES:
-        return {"observation": "", "reward": 0.0, "done": True, "info": {**info, "truncated": "max_guesses"}}
+        return {"observation": "", "reward": 0.0, "done": True, "truncated": True,
+                "info": {**info, "truncation_reason": "max_guesses"}}
     hint = "higher" if secret > guess else "lower"
     return {"observation": f"{guess} is wrong; the number is {hint}.", "reward": 0.0, "done": False,
             "role": "user", "info": info}

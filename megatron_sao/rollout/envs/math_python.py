@@ -8,11 +8,13 @@ call is the final answer: the reward (default math equivalence against `PromptSa
 ends the episode. A reward function that fails ends it with `info["reward_error"]`, which the
 agent loop records as a FAILED trajectory. Turn limits belong to the agent loop; this
 environment only caps tool calls (`max_tool_calls`), answering over-budget calls with an error
-that asks for the final answer.
+that asks for the final answer. The tool's JSON schema is declared to the chat template
+(`Environment.tools`), so Qwen-style templates describe it in the format the model was trained on.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +49,11 @@ class MathPythonConfig:
 
     tool_syntax: str = "qwen"
     """"qwen" (`<tool_call>` JSON), "fenced" (```python blocks) or "both"."""
+    declare_tools: bool | None = None
+    """Declare the python tool (`PYTHON_TOOL_SCHEMA`) to the chat template through
+    `Environment.tools`: Qwen-style templates then add it, with the `<tool_call>` JSON format, to
+    the system prompt. None: declare it unless `tool_syntax` is "fenced" (whose calls are not in
+    that format); True with "fenced" is refused."""
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     """Inserted first when the sample's prompt has no system message; None inserts nothing."""
     max_tool_calls: int | None = None
@@ -69,6 +76,14 @@ class MathPythonConfig:
             raise ValueError(f"MathPythonConfig.tool_syntax must be one of {SYNTAXES}, got {self.tool_syntax!r}")
         if self.max_calls_per_turn < 1 or self.timeout_s <= 0 or self.memory_mb <= 0:
             raise ValueError("MathPythonConfig: max_calls_per_turn, timeout_s and memory_mb must be positive")
+        if self.declare_tools and self.tool_syntax == "fenced":
+            raise ValueError('MathPythonConfig: declare_tools=True asks the model for <tool_call> JSON calls, '
+                             'which tool_syntax="fenced" does not parse; use "both" or leave declare_tools unset')
+
+    @property
+    def tools_declared(self) -> bool:
+        """`declare_tools` resolved (None -> whether the syntax is the template's `<tool_call>`)."""
+        return self.declare_tools if self.declare_tools is not None else self.tool_syntax != "fenced"
 
 
 class MathPythonEnv(Environment):
@@ -83,13 +98,18 @@ class MathPythonEnv(Environment):
         self.messages: list[dict[str, str]] = []
         self.num_tool_calls = 0
 
-    def reset(self, sample: PromptSample) -> list[dict[str, str]]:
+    async def reset(self, sample: PromptSample) -> list[dict[str, str]]:
         self.sample = sample
         messages = [dict(m) for m in sample.messages]
         if self.config.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         self.messages = messages
         return [dict(m) for m in messages]
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """The python tool's schema for the chat template, unless `config.declare_tools` says no."""
+        return [copy.deepcopy(PYTHON_TOOL_SCHEMA)] if self.config.tools_declared else None
 
     async def step(self, action_text: str) -> StepResult:
         assert self.sample is not None, "step() before reset()"
@@ -153,7 +173,6 @@ class MathPythonEnvFactory:
         self.reward = SafeReward(resolve_reward(self.config.reward, **self.config.reward_kwargs),
                                  name=self.config.reward, timeout_s=self.config.reward_timeout_s,
                                  processes=self.config.reward_processes)
-        self.tools = [PYTHON_TOOL_SCHEMA]  # for chat templates that declare tools themselves
 
     def __call__(self, sample: PromptSample) -> MathPythonEnv:
         return MathPythonEnv(self.config, self.pool, self.reward)
