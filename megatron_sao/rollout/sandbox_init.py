@@ -110,30 +110,43 @@ def _remount_everything_readonly() -> None:
                 raise
 
 
+def _expose_under(top: str, exposed: list[tuple[str, int]]) -> list[str]:
+    """Bind-mount back each opened path that lies under `top` (just covered by a new mount)."""
+    mounted = []
+    for path, fd in exposed:
+        if path == top or path.startswith(top.rstrip("/") + "/"):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+            mounted.append(path)
+    return mounted
+
+
 def _setup_mounts(spec: dict, uid: int | None, new_pid_ns: bool) -> str:
     """Build the sandbox's view of the filesystem; returns the scratch directory (cwd)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do may propagate to the host
     if new_pid_ns:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    # Interpreter installs that live under a masked directory (pyenv under /root) are opened
-    # before the mask hides them, then bind-mounted back at the same path through /proc.
+    # Interpreter installs that live under a masked directory (pyenv under /root) or under /tmp
+    # (a checkout and its venv in /tmp) are opened before the mask / scratch hides them, then
+    # bind-mounted back, read-only, at the same path through /proc.
     exposed: list[tuple[str, int]] = []
     for path in spec["exposed_paths"]:
         if os.path.isdir(path):
             exposed.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
-    for masked in spec["masked_paths"]:
-        if not os.path.isdir(masked) or os.path.islink(masked):
-            continue
-        _mount("tmpfs", masked, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-        for path, fd in exposed:
-            if path == masked or path.startswith(masked.rstrip("/") + "/"):
-                os.makedirs(path, mode=0o755, exist_ok=True)
-                _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-    for _, fd in exposed:
-        os.close(fd)
-    _remount_everything_readonly()
-    owner = f",uid={uid},gid={uid}" if uid is not None else ""
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['scratch_mb']}m,mode=700{owner}")
+    try:
+        for masked in spec["masked_paths"]:
+            if not os.path.isdir(masked) or os.path.islink(masked):
+                continue
+            _mount("tmpfs", masked, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+            _expose_under(masked, exposed)
+        _remount_everything_readonly()
+        owner = f",uid={uid},gid={uid}" if uid is not None else ""
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['scratch_mb']}m,mode=700{owner}")
+        for path in _expose_under("/tmp", exposed):
+            _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    finally:
+        for _, fd in exposed:
+            os.close(fd)
     return "/tmp"
 
 
