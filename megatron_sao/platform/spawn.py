@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue as queue_module
 import time
 import traceback
@@ -48,7 +49,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     try:
         init_distributed()
         result = fn(*args)
-        queue.put((rank, True, result))
+        # Plain pickle (by value) rather than the queue's torch reducer, which shares tensor
+        # storage through file descriptors the parent must fetch from this process while it is
+        # still alive: a race with this process exiting right after.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -85,7 +89,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                                     f"{sorted(set(range(world_size)) - set(results))}")
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures.append(f"rank {rank} failed:\n{payload}")
     finally:
