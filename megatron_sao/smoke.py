@@ -10,9 +10,7 @@ steps), and a DIS policy step against stand-in "rollout" log-probs.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +56,7 @@ def _synthetic_targets(loss_mask_bt: torch.Tensor, g: torch.Generator) -> dict[s
     return {"advantages": advantages.float(), "returns": returns.float()}
 
 
-def smoke_rank(config: SaoConfig, run_dir: str) -> dict[str, Any]:
+def smoke_rank(config: SaoConfig) -> list[dict[str, Any]]:
     """What each trainer rank runs. Returns the metrics history (identical on every rank)."""
     import torch.distributed as dist
 
@@ -123,7 +121,7 @@ def smoke_rank(config: SaoConfig, run_dir: str) -> dict[str, Any]:
         history.append(metrics)
         if rank == 0:
             logger.info("step %d %s", step, {k: round(v, 5) for k, v in metrics.items() if v is not None})
-    return {"history": history}
+    return history
 
 
 def run_smoke(config: SaoConfig, run_dir: Path) -> list[dict[str, Any]]:
@@ -138,11 +136,8 @@ def run_smoke(config: SaoConfig, run_dir: Path) -> list[dict[str, Any]]:
                                   "set launcher.kind=local launcher.nnodes=1")
     check_layout_fits_model(config)  # also builds a tiny checkpoint once, before ranks race for it
     world = trainer_world_size(config)
-    results = run_distributed(smoke_rank, world, config, str(run_dir))
-    history = results[0]["history"]
+    history = run_distributed(smoke_rank, world, config)[0]
     with MetricsLogger(config, run_dir) as metrics_logger:
         for metrics in history:
             metrics_logger.log(metrics, step=int(metrics["step"]))
-    (run_dir / "smoke_summary.json").write_text(json.dumps({"world_size": world, "history": history,
-                                                            "pid": os.getpid()}, indent=1))
     return history

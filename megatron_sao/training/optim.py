@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from megatron_sao.config.schema import OptimizerConfig
 
 
@@ -91,6 +89,3 @@ def optimizer_step(role: RoleOptimizer) -> tuple[bool, float | None]:
         role.scheduler.step(increment=1)
     return bool(applied), (float(grad_norm) if grad_norm is not None else None)
 
-
-def trainable_parameters(chunks: list[Any]) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
