@@ -22,7 +22,7 @@ from megatron_sao.config.schema import SaoConfig
 COMMAND_LINE = "command line"
 # Input paths written in a recipe are relative to that recipe file (so recipes work from any
 # working directory); on the command line they are relative to the working directory.
-RECIPE_RELATIVE_PATHS = ("model.hf_path", "data.train_path")
+RECIPE_RELATIVE_PATHS = ("model.hf_path", "data.train_path", "data.trajectories_path", "actor.load", "critic.load")
 
 
 class ConfigError(ValueError):

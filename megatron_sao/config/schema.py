@@ -22,7 +22,11 @@ class RunConfig:
     seed: int = 1234
     """Seed for model init, data order and sampling."""
     total_steps: int = 1000
-    """Actor optimizer steps to run (critic-warmup steps included)."""
+    """Train steps to run (one batch each; critic-warmup steps included). May be raised when a
+    run resumes."""
+    max_consecutive_skipped_steps: int = 5
+    """Abort after this many consecutive train steps were skipped for a non-finite loss or
+    gradient norm (a skipped step changes no parameter and no optimizer state)."""
 
 
 @dataclass(kw_only=True)
@@ -122,12 +126,22 @@ class RoleConfig:
     micro_batch_size: int = 1
     """Trajectories per forward/backward micro-batch."""
     max_tokens_per_micro_batch: int | None = None
-    """Token budget per micro-batch when packing trajectories (None: use micro_batch_size)."""
+    """Token budget of one micro-batch, padding included (rows x padded length). Trajectories of
+    similar length are bucketed together up to this budget (at most `micro_batch_size` rows when
+    None). A trajectory longer than the budget gets a micro-batch of its own."""
+    load: str = ""
+    """Megatron checkpoint to start this role from instead of the HF weights: a run's
+    `checkpoints/` directory (its latest iteration), one `iter_NNNNNNN/` directory, or a
+    `sao convert hf-to-mcore` output. Weights only: optimizer and schedule start fresh."""
 
 
 @dataclass(kw_only=True)
 class ActorConfig(RoleConfig):
     """The policy. Trains every parameter group by default (paper)."""
+
+    num_mini_batches: int = 1
+    """Actor optimizer steps per batch: the batch is split into this many mini-batches
+    (paper SAO: 1). The actor's LR schedule counts these optimizer steps."""
 
 
 @dataclass(kw_only=True)
@@ -184,6 +198,9 @@ class AlgorithmConfig:
     """Step-level advantage: a turn's value is the average or the last token's value."""
     max_staleness: int = 4
     """Largest actor_version - policy_version a token may have to be trained on."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """ppo_clip only: the behaviour log-probs of the PPO ratio, recomputed by the actor before
+    its update (synchronous GRPO) or the rollout engine's. DIS always uses the engine's."""
 
 
 @dataclass(kw_only=True)
@@ -224,6 +241,10 @@ class RolloutConfig:
     """Tokens one assistant turn may generate."""
     max_total_tokens: int = 131072
     """Context budget of a whole trajectory (prompt + actions + observations)."""
+    source: Literal["engine", "recorded"] = "engine"
+    """Where trajectories come from: rollout engines (the asynchronous pipeline), or a recorded
+    file (`data.trajectories_path`, Parquet or JSONL of the trajectory record) read in file order
+    without starting any engine."""
     max_inflight_per_engine: int = 64
     """Trajectories generating concurrently on one engine."""
     tool_timeout_s: float = 10.0
@@ -243,6 +264,10 @@ class DataConfig:
     """B: completed trajectories (from B distinct prompts) per actor step (paper: 128)."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by run.seed)."""
+    trajectories_path: str = ""
+    """Recorded trajectories (Parquet or JSONL as written by rollout/trajectory_io.py) for
+    `rollout.source=recorded` and `sao sft`. In a recipe, a relative path is relative to the
+    recipe file."""
 
 
 @dataclass(kw_only=True)
@@ -265,8 +290,9 @@ class CheckpointConfig:
     """Save every N actor steps (0: only at the end)."""
     keep_last: int = 3
     """Keep this many most recent checkpoints."""
-    resume: str = "auto"
-    """'auto' (latest in dir, if any), 'none', or a checkpoint path."""
+    resume: bool | str = "auto"
+    """'auto': resume from the latest complete checkpoint of the run if there is one; true: the
+    same, but a missing checkpoint is an error; false or 'none': start fresh."""
 
 
 @dataclass(kw_only=True)

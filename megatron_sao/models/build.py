@@ -135,6 +135,9 @@ def _configure_provider(provider: Any, config: SaoConfig) -> None:
     # micro-batches and DP ranks. DDP reads this when it is built (it then sums over DP instead of
     # averaging), so it is fixed here, not per step.
     provider.calculate_per_token_loss = True
+    # Trajectories have different lengths; micro-batches are padded per length bucket, so
+    # pipeline stages must exchange each micro-batch's shape before its activations.
+    provider.variable_seq_lengths = par.pipeline > 1
     if model.recompute_granularity != "none":
         provider.recompute_granularity = model.recompute_granularity
         if model.recompute_granularity == "full":

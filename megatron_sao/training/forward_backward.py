@@ -25,12 +25,15 @@ def run_forward_backward(
     forward_fn: ForwardFn,
     loss_fn: LossFn | None = None,
     forward_only: bool = False,
+    output_fn: Callable[[torch.Tensor, Batch], Any] | None = None,
 ) -> list[Any]:
     """Run the schedule; returns, on the last pipeline stage, per micro-batch: the metrics dict of
-    `loss_fn`, or (when `loss_fn` is None, forward only) the raw model output. Empty elsewhere.
+    `loss_fn`, or (when `loss_fn` is None, forward only) the model output passed through
+    `output_fn(output, micro_batch)` (the raw output without it). Empty elsewhere.
 
-    Every micro-batch must have the same [micro_batch_size, seq_length] `input_ids` shape
-    (pipeline stages exchange fixed-shape activations).
+    Micro-batches may differ in shape when the model config has `variable_seq_lengths` (set by
+    `models.build` under pipeline parallelism: stages then exchange shapes before activations)
+    or without pipeline parallelism; otherwise they must share one `[b, t]` shape.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -39,11 +42,13 @@ def run_forward_backward(
     if loss_fn is None and not forward_only:
         raise ValueError("a backward pass needs a loss_fn")
     micro_batch_size, seq_length = micro_batches[0]["input_ids"].shape
+    config = chunks[0].config
+    shapes_may_vary = config.variable_seq_lengths or config.pipeline_model_parallel_size == 1
     for i, mb in enumerate(micro_batches):
-        if tuple(mb["input_ids"].shape) != (micro_batch_size, seq_length):
+        if not shapes_may_vary and tuple(mb["input_ids"].shape) != (micro_batch_size, seq_length):
             raise ValueError(f"micro-batch {i} has input_ids shape {tuple(mb['input_ids'].shape)}, "
                              f"expected {(micro_batch_size, seq_length)} like micro-batch 0")
-    if loss_fn is not None and not chunks[0].config.calculate_per_token_loss:
+    if loss_fn is not None and not config.calculate_per_token_loss:
         raise ValueError("models must be built with calculate_per_token_loss=True (models.build does this): "
                          "loss functions here return token sums")
 
@@ -51,7 +56,9 @@ def run_forward_backward(
         batch = next(data_iterator)
         output = forward_fn(model, batch)
         if loss_fn is None:
-            return output, lambda out, non_loss_data=False: out
+            if output_fn is None:
+                return output, lambda out, non_loss_data=False: out
+            return output, lambda out, non_loss_data=False: output_fn(out, batch)
         return output, lambda out: loss_fn(out, batch)
 
     # One iterator per model chunk: each virtual stage consumes every micro-batch once.

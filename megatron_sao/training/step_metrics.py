@@ -1,0 +1,105 @@
+"""The metric dicts of one train step, from the summed statistics of its updates.
+
+Keys are contracts (issue "SAO trainer", section 9; other tools read them): `actor/loss`,
+`actor/grad_norm`, `actor/entropy`, `actor/lr`, `actor/dis_masked_low_frac`,
+`actor/dis_masked_high_frac`, `critic/value_loss`, `critic/explained_variance`,
+`critic/grad_norm`, `critic/grad_norm/attention`, `critic/grad_norm/experts`, `critic/lr`,
+`critic/optimizer_steps`, `moe/max_over_mean_load`, `perf/tokens_per_s`, `time/critic_s`,
+`time/actor_s`, `time/data_s`, `train/skipped_steps`. More may be added; these stay.
+
+Conventions: ratios are of sums over the global batch; with several updates per step (the
+critic's K, the actor's mini-batches) losses and grad norms are those of the FIRST update (the
+model as it was when the batch arrived, comparable across K) and `.../last` that of the last;
+`critic/explained_variance` is that of the values the advantages were computed from, before the
+critic trained on the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from megatron_sao.algo import explained_variance_from_moments
+from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
+from megatron_sao.training.steps import RoleUpdate
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else math.nan
+
+
+def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    n = len(trajectories)
+    rewards = [t.total_reward for t in trajectories]
+    return {
+        "train/trajectories": float(n),
+        "train/tokens": float(sum(len(t) for t in trajectories)),
+        "train/action_tokens": float(sum(t.num_action_tokens for t in trajectories)),
+        "train/reward_mean": sum(rewards) / n,
+        "train/response_length_mean": sum(t.response_length for t in trajectories) / n,
+        "train/num_turns_mean": sum(len(t.turns) for t in trajectories) / n,
+        "train/truncated_frac": sum(t.status == TrajectoryStatus.TRUNCATED for t in trajectories) / n,
+    }
+
+
+def _norms(prefix: str, updates: Sequence[RoleUpdate]) -> dict[str, float]:
+    first, last = updates[0], updates[-1]
+    out = {f"{prefix}/grad_norm": first.grad_norm, f"{prefix}/grad_norm/last": last.grad_norm}
+    out.update({f"{prefix}/grad_norm/{group}": norm for group, norm in first.group_norms.items()})
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+def critic_metrics(phase: dict[str, float], updates: Sequence[RoleUpdate], lr: float,
+                   optimizer_steps: int) -> dict[str, float]:
+    moments = torch.tensor([phase["tokens"], phase["ev_r"], phase["ev_r2"], phase["ev_res"], phase["ev_res2"]])
+    tokens = phase["tokens"]
+    adv_mean = _ratio(phase["adv"], tokens)
+    out = {
+        "critic/explained_variance": explained_variance_from_moments(moments),
+        "critic/value_mean": _ratio(phase["value"], tokens),
+        "critic/return_mean": _ratio(phase["ev_r"], tokens),
+        "critic/advantage_mean": adv_mean,
+        "critic/advantage_std": (math.sqrt(max(_ratio(phase["adv2"], tokens) - adv_mean**2, 0.0))
+                                 if tokens else math.nan),
+        "critic/lr": lr,
+        "critic/optimizer_steps": float(optimizer_steps),
+        "critic/updates": float(sum(u.applied for u in updates)),
+    }
+    first, last = updates[0].sums, updates[-1].sums
+    out["critic/value_loss"] = _ratio(first["loss"], first["tokens"])
+    out["critic/value_loss/last"] = _ratio(last["loss"], last["tokens"])
+    out["critic/value_clip_frac"] = _ratio(first["clipped"], first["tokens"])
+    out.update(_norms("critic", updates))
+    return out
+
+
+def actor_metrics(updates: Sequence[RoleUpdate], lr: float, policy_loss: str) -> dict[str, float]:
+    sums = {k: sum(u.sums[k] for u in updates) for k in updates[0].sums}
+    tokens = sums["tokens"]
+    out = {
+        "actor/loss": _ratio(sums["loss"], tokens),
+        "actor/entropy": _ratio(sums["entropy"], tokens),
+        "actor/lr": lr,
+        "actor/kl_k3": _ratio(sums["kl_k3"], tokens),
+        "actor/ratio_mean": _ratio(sums["ratio"], tokens),
+        "actor/action_tokens": tokens,
+    }
+    if policy_loss == "dis":
+        out["actor/dis_masked_low_frac"] = _ratio(sums["masked_low"], tokens)
+        out["actor/dis_masked_high_frac"] = _ratio(sums["masked_high"], tokens)
+        out["actor/dis_masked_frac"] = _ratio(sums["masked_low"] + sums["masked_high"], tokens)
+    else:
+        out["actor/clip_frac"] = _ratio(sums["clipped"], tokens)
+    out.update(_norms("actor", updates))
+    return out
+
+
+def sft_metrics(updates: Sequence[RoleUpdate], lr: float, policy_loss: str = "") -> dict[str, float]:
+    sums = {k: sum(u.sums[k] for u in updates) for k in updates[0].sums}
+    tokens = sums["tokens"]
+    out = {"actor/loss": _ratio(sums["loss"], tokens), "actor/entropy": _ratio(sums["entropy"], tokens),
+           "actor/lr": lr, "actor/action_tokens": tokens}
+    out.update(_norms("actor", updates))
+    return out

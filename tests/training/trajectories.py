@@ -1,0 +1,44 @@
+"""Random but valid trajectories of mixed lengths for trainer tests (no model needed).
+
+Rollout log-probs are drawn near log(1/vocab) so that DIS ratios against an untrained tiny model
+stay mostly inside the band; rewards are 0/1 terminal ones, some turns carry a small reward.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from megatron_sao.rollout.trajectory import FinishType, RewardKind, Trajectory, TrajectoryStatus
+
+
+def random_trajectories(num: int, seed: int = 0, vocab: int = 256, lengths: tuple[int, int] = (12, 40),
+                        long_every: int = 0, long_factor: int = 4, group_size: int = 1) -> list[Trajectory]:
+    """`num` trajectories (`group_size` consecutive ones share a prompt id); every `long_every`-th
+    is about `long_factor` times longer (a long tail)."""
+    rng = random.Random(seed)
+    base_logp = -math.log(vocab)
+    out = []
+    for i in range(num):
+        target = rng.randint(*lengths)
+        if long_every and i % long_every == long_every - 1:
+            target *= long_factor
+        traj = Trajectory(prompt_id=f"p{i // group_size}", trajectory_id=f"t{i}")
+        prompt_len = rng.randint(3, 8)
+        traj.set_prompt([rng.randrange(vocab) for _ in range(prompt_len)])
+        num_turns = rng.randint(1, 3)
+        budget = max(target - prompt_len, 2 * num_turns)
+        for turn in range(num_turns):
+            n_act = max(1, budget // (2 * num_turns))
+            traj.append_action([rng.randrange(vocab) for _ in range(n_act)],
+                               [base_logp + rng.uniform(-0.3, 0.3) for _ in range(n_act)], [0] * n_act,
+                               FinishType.STOP)
+            if rng.random() < 0.3:
+                traj.add_reward(0.1, RewardKind.TURN)
+            if turn < num_turns - 1:
+                traj.append_observation([rng.randrange(vocab) for _ in range(max(1, budget // (2 * num_turns)))])
+        traj.add_reward(float(rng.random() < 0.5), RewardKind.TERMINAL)
+        traj.finish(TrajectoryStatus.TRUNCATED if rng.random() < 0.2 else TrajectoryStatus.COMPLETED)
+        traj.validate()
+        out.append(traj)
+    return out
