@@ -1,0 +1,217 @@
+"""Per-GPU memory of a recipe: trainer states, activations, engines; a fits / does-not-fit verdict.
+
+The model (all terms in GiB per GPU, for the worst pipeline stage):
+- weights: bf16 (fp32 on CPU recipes), dense parameters sharded over TP (embedding on the first
+  stage, LM head on the last), routed experts over ETP x EP; PP splits layers evenly;
+- gradients: fp32 main-grad buffers (`grad_reduce_in_fp32`), trainable parameters only, not
+  sharded over data parallel;
+- optimizer: Adam m and v plus fp32 master weights (12 B per trainable parameter; 8 B when the
+  model is fp32), divided over the data-parallel group (x CP for dense parameters, expert-DP for
+  experts) by the distributed optimizer;
+- activations: the estimate of `ModelCensus.activation_elems_per_token` per layer and token,
+  divided by TP (sequence parallel) and CP, for `min(PP - stage, micro-batches)` micro-batches in
+  flight (1F1B). `full` recompute keeps only each layer's input plus one layer's working set;
+  `selective` is counted as `none` (it recomputes core attention, which flash attention does not
+  store anyway). The actor's last stage also holds fp32 logits and their softmax (6 B per token x
+  vocab / TP). Actor and critic train one after the other: the larger of the two counts;
+- engines: SGLang reserves `mem_fraction_static` of the GPU for weights (sharded over the
+  engine's TP) and KV cache; the KV pool must hold at least one `rollout.max_total_tokens`
+  trajectory. Colocated engines add that reservation to the trainer GPU;
+- runtime_overhead: 3 GiB per GPU for the CUDA context, NCCL buffers and allocator slack.
+Not modelled: Megatron's vocabulary padding, optimizer CPU offload, fragmentation beyond the
+overhead term, MTP layers in training (the trainer does not train them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_sao.config.schema import RoleConfig, SaoConfig
+from megatron_sao.config.validate import expert_tensor_size, trainer_world_size
+from megatron_sao.planning.gpus import GIB, GpuSpec
+from megatron_sao.planning.params import GROUPS, ModelCensus
+from megatron_sao.planning.placement import GpuLayout, gpu_layout
+
+RUNTIME_OVERHEAD_GIB = 3.0
+GRAD_BYTES = 4
+LOGIT_BYTES = 6
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    gpu: GpuSpec
+    layout: GpuLayout
+    trainer: dict[str, float]
+    """Trainer GPU terms in GiB (engine terms too when colocated), with `total`."""
+    engine: dict[str, float] = field(default_factory=dict)
+    """Engine GPU terms in GiB when disaggregated, with `total`; empty otherwise."""
+    worst_stage: int = 0
+    engine_kv_capacity_tokens: int = 0
+    """Tokens one engine's KV pool holds (0 without GPU engines)."""
+    problems: list[str] = field(default_factory=list)
+    """Why it does not fit (empty when it fits)."""
+    culprit: str = ""
+    """The term named in the verdict: the largest term of the GPU that does not fit (engine
+    weights when they crowd out the KV cache), or of the trainer GPU when everything fits."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def largest_term(self) -> str:
+        if self.culprit:
+            return self.culprit
+        return _largest(self.trainer)
+
+
+def _largest(terms: dict[str, float]) -> str:
+    return max((k for k in terms if k != "total"), key=terms.get)
+
+
+def _trainable_groups(role: RoleConfig) -> set[str]:
+    """Groups that train; `re:` specs cannot be resolved before Megatron names exist, so a
+    trainable regex counts every group as trainable and a frozen regex freezes nothing
+    (the estimate errs towards more memory)."""
+    trainable = set(GROUPS) if any(s == "all" or s.startswith("re:") for s in role.trainable) else set(role.trainable)
+    return trainable - {s for s in role.frozen if not s.startswith("re:")}
+
+
+def _stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    per = num_layers // pp
+    return range(stage * per, (stage + 1) * per if stage < pp - 1 else num_layers)
+
+
+def _role_states(config: SaoConfig, census: ModelCensus, role: RoleConfig, stage: int,
+                 critic: bool) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes of one role on one GPU of `stage`."""
+    p = config.parallelism
+    world = trainer_world_size(config)
+    etp = expert_tensor_size(config)
+    dp_dense = world // (p.tensor * p.pipeline)  # distributed optimizer shards over DP x CP
+    dp_expert = world // (etp * p.expert * p.pipeline)
+    w_bytes = 4 if config.model.dtype == "float32" else 2
+    optim_bytes = 8 if config.model.dtype == "float32" else 12
+    trainable = _trainable_groups(role)
+    counts: dict[str, int] = {}
+    for index in _stage_layers(census.num_layers, p.pipeline, stage):
+        for group, n in census.layers[index].items():
+            counts[group] = counts.get(group, 0) + n
+    if stage == 0:
+        counts["embedding"] = counts.get("embedding", 0) + census.outside.get("embedding", 0)
+    if stage == p.pipeline - 1:
+        counts["norms"] = counts.get("norms", 0) + census.outside.get("norms", 0)
+        head = census.value_head if critic else census.outside.get("head", 0)
+        counts["head"] = counts.get("head", 0) + head
+    weights = grads = optim = 0.0
+    for group, n in counts.items():
+        expert = group == "experts"
+        shard = etp * p.expert if expert else (1 if group == "norms" or (critic and group == "head") else p.tensor)
+        local = n / shard
+        weights += local * w_bytes
+        if group in trainable:
+            grads += local * GRAD_BYTES
+            dp = dp_expert if expert else dp_dense
+            optim += local * optim_bytes / (dp if role.optim.use_distributed_optimizer else 1)
+    return weights, grads, optim
+
+
+def _activations(config: SaoConfig, census: ModelCensus, role: RoleConfig, stage: int, critic: bool) -> float:
+    p = config.parallelism
+    act_bytes = 4 if config.model.dtype == "float32" else 2
+    tokens = role.max_tokens_per_micro_batch or role.micro_batch_size * config.rollout.max_total_tokens
+    local_tokens = tokens / (p.context * p.tensor)
+    dp = trainer_world_size(config) // (p.tensor * p.pipeline * p.context)
+    trajectories = config.data.batch_size * config.algorithm.group_size
+    micro_batches = max(1, -(-trajectories // (dp * role.micro_batch_size)))
+    in_flight = min(p.pipeline - stage, micro_batches)
+    layers = _stage_layers(census.num_layers, p.pipeline, stage)
+    per_layer = [census.activation_elems_per_token(i) for i in layers]
+    if config.model.recompute_granularity == "full":
+        stored = len(per_layer) * census.hidden_size * in_flight + max(per_layer)
+    else:
+        stored = sum(per_layer) * in_flight
+    total = stored * local_tokens * act_bytes
+    if not critic and stage == p.pipeline - 1:
+        total += tokens / p.context * census.vocab_size / p.tensor * LOGIT_BYTES
+    return total
+
+
+def _engine_terms(config: SaoConfig, census: ModelCensus, gpu: GpuSpec, layout: GpuLayout,
+                  problems: list[str]) -> tuple[dict[str, float], int]:
+    """Engine GPU terms and one engine's KV capacity in tokens; a problem when the weights leave
+    no KV pool or the pool cannot hold one whole trajectory (both blamed on engine_weights)."""
+    sglang, rollout = config.rollout.sglang, config.rollout
+    tp = layout.gpus_per_engine
+    weights = census.params_total * 2 / tp
+    reserved = sglang.mem_fraction_static * gpu.memory_bytes
+    if census.kv_heads is None:  # MLA latent cache: every TP rank holds it; DP attention splits requests
+        per_token = census.num_layers * census.kv_cache_elems_per_layer * 2
+        per_token_per_engine = per_token / max(1, sglang.data)
+    else:
+        local_heads = -(-census.kv_heads // tp)
+        per_token = census.num_layers * census.kv_cache_elems_per_layer * local_heads / census.kv_heads * 2
+        per_token_per_engine = per_token
+    kv_pool = reserved - weights
+    capacity = int(kv_pool / per_token_per_engine) if kv_pool > 0 else 0
+    if kv_pool <= 0:
+        problems.append(f"engine weights {weights / GIB:.1f} GiB per GPU exceed rollout.sglang.mem_fraction_static "
+                        f"x GPU = {reserved / GIB:.1f} GiB (raise rollout.sglang.tensor)")
+    elif capacity < rollout.max_total_tokens:
+        problems.append(f"engine KV cache holds {capacity} tokens, less than one rollout.max_total_tokens = "
+                        f"{rollout.max_total_tokens} trajectory (raise rollout.sglang.tensor or mem_fraction_static)")
+    terms = {"engine_weights": weights / GIB, "engine_kv_cache": max(kv_pool, 0) / GIB}
+    return terms, capacity
+
+
+def uses_critic(config: SaoConfig) -> bool:
+    """GRPO and running-mean baselines need no value function, so no critic is built."""
+    return config.algorithm.advantage in ("gae", "step_level")
+
+
+def plan_memory(config: SaoConfig, census: ModelCensus, gpu: GpuSpec) -> MemoryPlan:
+    """Per-GPU memory of `config` on `gpu`; ConfigError when the GPU split is impossible."""
+    layout = gpu_layout(config)
+    best: tuple[float, int, dict[str, float]] | None = None
+    for stage in range(config.parallelism.pipeline):
+        actor = _role_states(config, census, config.actor, stage, critic=False)
+        critic = (_role_states(config, census, config.critic, stage, critic=True) if uses_critic(config)
+                  else (0.0, 0.0, 0.0))
+        activations = _activations(config, census, config.actor, stage, critic=False)
+        if uses_critic(config):
+            activations = max(activations, _activations(config, census, config.critic, stage, critic=True))
+        terms = {
+            "actor_weights": actor[0], "actor_grads": actor[1], "actor_optimizer": actor[2],
+            "critic_weights": critic[0], "critic_grads": critic[1], "critic_optimizer": critic[2],
+            "activations": activations,
+        }
+        terms = {k: v / GIB for k, v in terms.items()}
+        terms["runtime_overhead"] = RUNTIME_OVERHEAD_GIB
+        total = sum(terms.values())
+        if best is None or total > best[0]:
+            best = (total, stage, terms)
+    assert best is not None
+    _, stage, trainer = best
+    problems: list[str] = []
+    engine: dict[str, float] = {}
+    capacity = 0
+    if layout.engine_gpus:
+        engine_terms, capacity = _engine_terms(config, census, gpu, layout, problems)
+        if layout.placement == "colocated":
+            trainer.update(engine_terms)
+        else:
+            engine = {**engine_terms, "runtime_overhead": RUNTIME_OVERHEAD_GIB}
+            engine["total"] = sum(engine.values())
+    trainer["total"] = sum(trainer.values())
+    plan = MemoryPlan(gpu, layout, trainer, engine, stage, capacity, problems)
+    if trainer["total"] > gpu.memory_gib:
+        plan.culprit = _largest(trainer)
+        problems.insert(0, f"trainer GPU needs {trainer['total']:.1f} GiB > {gpu.memory_gib:.1f} GiB "
+                           f"(largest term: {plan.culprit})")
+    elif engine and engine["total"] > gpu.memory_gib:
+        plan.culprit = _largest(engine)
+        problems.insert(0, f"engine GPU needs {engine['total']:.1f} GiB > {gpu.memory_gib:.1f} GiB "
+                           f"(largest term: {plan.culprit})")
+    elif problems:
+        plan.culprit = "engine_weights"
+    return plan

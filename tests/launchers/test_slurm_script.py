@@ -1,0 +1,92 @@
+"""`sao launch slurm --dry-run`: a script for every shipped recipe, parsed by bash, with the
+choices the flags and the recipe make; and the helpers the job runs inside Slurm."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_sao.cli import main
+from megatron_sao.jobs.launch import check_container_paths
+from megatron_sao.platform.ray_cluster import check_nodes, worker_port_range
+from megatron_sao.platform.slurm import expand_hostlist, job_port_block, node_ip, parse_port_range
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def _dry_run(recipe: Path, tmp_path: Path, *flags: str) -> str:
+    assert main(["launch", "slurm", str(recipe), f"run.output_dir={tmp_path}", "--dry-run", *flags]) == 0
+    script = next(tmp_path.glob("*/launch/sao_job.sbatch"))
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    return script.read_text()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_dry_runs_to_a_bash_script(recipe: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    text = _dry_run(recipe, tmp_path)
+    assert f"sbatch script: {tmp_path}" in capsys.readouterr().out
+    assert "#SBATCH --signal=B:USR1@120" in text and "checkpoint.resume=auto" in text
+    assert "{{" not in text
+
+
+def test_flags_map_onto_sbatch_lines(tmp_path: Path) -> None:
+    text = _dry_run(RECIPES / "qwen3_30b_a3b_math_sao.yaml", tmp_path, "--nodes", "12", "--partition", "gpu",
+                    "--account", "proj", "--time", "02:00:00", "--requeue", "--gpus-per-node", "4")
+    for line in ("--nodes=12", "--partition=gpu", "--account=proj", "--time=02:00:00", "--requeue",
+                 "--gpus-per-node=4"):
+        assert f"#SBATCH {line}\n" in text
+    config = (tmp_path / "qwen3_30b_a3b_math_sao" / "launch" / "config.yaml").read_text()
+    assert "nnodes: 12" in config and "kind: slurm" in config
+
+
+def test_container_paths_are_checked_before_submission(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such image file"):
+        check_container_paths({}, [tmp_path], str(tmp_path / "missing.sqsh"))
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ValueError, match="not under any container mount"):
+        check_container_paths({"model.hf_path": tmp_path / "m"}, [tmp_path / "other"], "nvcr.io/x:1")
+    with pytest.raises(ValueError, match="does not exist"):
+        check_container_paths({"model.hf_path": tmp_path / "gone"}, [tmp_path], "nvcr.io/x:1")
+    check_container_paths({"model.hf_path": tmp_path / "m"}, [tmp_path], "nvcr.io/x:1")
+
+
+def test_container_launch_runs_steps_in_the_image(tmp_path: Path) -> None:
+    image = tmp_path / "sao.sqsh"
+    image.write_bytes(b"")
+    text = _dry_run(RECIPES / "qwen3_30b_a3b_math_sao.yaml", tmp_path, "--container", str(image))
+    assert f"--container-image={image}" in text and "--container-mounts=" in text
+
+
+def test_hostlist_expansion() -> None:
+    assert expand_hostlist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_hostlist("node1") == ["node1"]
+    assert expand_hostlist("a[8-10]-ib") == ["a8-ib", "a9-ib", "a10-ib"]
+
+
+def test_port_blocks_differ_between_neighbouring_jobs() -> None:
+    blocks = [job_port_block(j, (20000, 29999)) for j in range(100, 700)]
+    firsts = [b.first for b in blocks]
+    assert len(set(firsts)) == len(firsts)
+    assert all(b.first >= 20000 and b.first + b.count - 1 <= 29999 for b in blocks)
+    assert len({worker_port_range(b) for b in blocks}) == len(blocks)
+    with pytest.raises(ValueError):
+        parse_port_range("30000")
+
+
+def test_node_ip_never_silently_advertises_loopback() -> None:
+    with pytest.raises(ValueError, match="only to loopback"):
+        node_ip(hostname="localhost")
+    assert node_ip(hostname="localhost", allow_loopback=True).startswith("127.")
+    with pytest.raises(ValueError, match="no network interface"):
+        node_ip(interface="does-not-exist0")
+
+
+def test_join_barrier_names_what_is_missing() -> None:
+    node = {"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8.0, "GPU": 8.0}}
+    weak = {"Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 8.0, "GPU": 4.0}}
+    assert check_nodes([node, {**node, "NodeManagerAddress": "10.0.0.3"}], 2, 8, 8) is None
+    assert "1 of 2 nodes joined (10.0.0.1)" in check_nodes([node], 2, 8, 8)
+    assert "10.0.0.2 has CPU=8 GPU=4" in check_nodes([node, weak], 2, 8, 8)

@@ -1,0 +1,115 @@
+"""The memory model and `sao plan`: shipped recipes fit their GPUs, squeezed ones do not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_sao.cli import main
+from megatron_sao.config import ConfigError
+from megatron_sao.jobs.plan import build_plan
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+# The GPU each shipped recipe states in its header comment.
+STATED_GPU = {
+    "qwen3_30b_a3b_math_sao.yaml": "h100-80g",
+    "qwen3_30b_a3b_math_grpo.yaml": "h100-80g",
+    "qwen3_30b_a3b_math_grpo_dis.yaml": "h100-80g",
+    "qwen3_30b_a3b_swe_sao.yaml": "h100-80g",
+    "qwen3_30b_a3b_swe_grpo.yaml": "h100-80g",
+    "qwen3_30b_a3b_swe_grpo_dis.yaml": "h100-80g",
+    "qwen3_235b_a22b_math_sao.yaml": "h200-141g",
+    "glm45_355b_a32b_math_sao.yaml": "h200-141g",
+    "deepseek_v3_671b_math_sao.yaml": "h200-141g",
+    "glm5_744b_a40b_swe_sao.yaml": "h200-141g",
+}
+
+
+def test_every_shipped_scale_recipe_is_listed() -> None:
+    shipped = {p.name for p in RECIPES.glob("*.yaml")} - {"tiny_cpu.yaml"}
+    assert shipped == set(STATED_GPU)
+
+
+@pytest.mark.parametrize("name", sorted(STATED_GPU))
+def test_shipped_recipe_fits_its_gpu(name: str) -> None:
+    plan, text = build_plan(str(RECIPES / name), [], STATED_GPU[name])
+    assert plan["fits"], text
+    assert plan["memory_gib_per_gpu"]["total"] <= plan["gpu_memory_gib"]
+    assert "verdict: fits" in text
+
+
+def test_squeezed_onto_one_node_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"launcher\.nnodes x launcher\.nproc_per_node = 1 x 8 = 8"):
+        build_plan(str(RECIPES / "qwen3_30b_a3b_math_sao.yaml"), ["launcher.nnodes=1"], "h100-80g")
+
+
+def test_squeezed_trainers_do_not_fit_and_name_the_term() -> None:
+    plan, text = build_plan(str(RECIPES / "qwen3_30b_a3b_math_sao.yaml"),
+                            ["launcher.nnodes=3", "parallelism.world_size=16", "parallelism.expert=16",
+                             "rollout.num_engines=4"], "h100-80g")
+    assert not plan["fits"]
+    assert plan["largest_term"] == "actor_optimizer"
+    assert "does not fit on h100-80g (largest term: actor_optimizer)" in text
+
+
+def test_engine_weights_that_crowd_out_the_kv_cache_are_named() -> None:
+    plan, _ = build_plan(str(RECIPES / "qwen3_235b_a22b_math_sao.yaml"),
+                         ["rollout.sglang.tensor=2", "rollout.sglang.expert=2"], "h200-141g")
+    assert not plan["fits"] and plan["largest_term"] == "engine_weights"
+
+
+def _terms(overrides: list[str]) -> dict[str, float]:
+    plan, _ = build_plan(str(RECIPES / "qwen3_30b_a3b_math_sao.yaml"), overrides, "h100-80g")
+    return plan["memory_gib_per_gpu"]
+
+
+def test_more_expert_parallelism_shards_expert_weights_and_grads() -> None:
+    ep16, ep32 = _terms(["parallelism.expert=16"]), _terms([])
+    assert ep32["actor_weights"] < ep16["actor_weights"]
+    assert ep32["actor_grads"] < ep16["actor_grads"]
+    # The distributed optimizer shards experts over expert-DP = world / EP: the same per GPU.
+    assert ep32["actor_optimizer"] == pytest.approx(ep16["actor_optimizer"], rel=1e-6)
+
+
+def test_full_recompute_keeps_fewer_activations() -> None:
+    assert _terms([])["activations"] < _terms(["model.recompute_granularity=none"])["activations"]
+
+
+def test_frozen_critic_attention_has_no_gradients_or_optimizer_state() -> None:
+    frozen = _terms([])
+    trained = _terms(["critic.frozen=[]"])
+    assert frozen["critic_weights"] == trained["critic_weights"]
+    assert frozen["critic_grads"] < trained["critic_grads"]
+    assert frozen["critic_optimizer"] < trained["critic_optimizer"]
+
+
+def test_grpo_has_no_critic() -> None:
+    plan, _ = build_plan(str(RECIPES / "qwen3_30b_a3b_math_grpo.yaml"), [], "h100-80g")
+    terms = plan["memory_gib_per_gpu"]
+    assert terms["critic_weights"] == terms["critic_grads"] == terms["critic_optimizer"] == 0
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(RECIPES / "deepseek_v3_671b_math_sao.yaml"), "--gpu", "h200-141g", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("params_total", "params_active", "params_mtp", "memory_gib_per_gpu", "fits", "largest_term"):
+        assert key in out
+    assert out["memory_gib_per_gpu"]["total"] == pytest.approx(
+        sum(v for k, v in out["memory_gib_per_gpu"].items() if k != "total"), abs=0.01)
+    assert out["params_mtp"] > 11e9
+
+
+def test_cli_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = str(RECIPES / "qwen3_30b_a3b_math_sao.yaml")
+    assert main(["plan", recipe, "parallelism.world_size=16", "parallelism.expert=16", "launcher.nnodes=3",
+                 "rollout.num_engines=4"]) == 1
+    assert main(["plan", recipe, "launcher.nnodes=1"]) == 2
+    assert "config error" in capsys.readouterr().err
+
+
+def test_tiny_recipe_plans_without_a_checkpoint(tmp_path: Path) -> None:
+    plan, _ = build_plan(str(RECIPES / "tiny_cpu.yaml"), [f"model.hf_path={tmp_path / 'none'}"])
+    assert plan["params_total"] > 0 and plan["gpus"]["engine"] == 0
+    assert not (tmp_path / "none").exists()
