@@ -11,8 +11,11 @@ export RAY_AUTH_MODE := disabled
 setup:
 	@bash tools/setup_env.sh
 
-# Main job on the embedded default: the tiny MoE on CPU (recipes/tiny_cpu.yaml).
+# Main job on the embedded default: the tiny MoE on CPU (recipes/tiny_cpu.yaml), trained on
+# recorded trajectories of a scripted task (written first; kept when already up to date).
+DEMO_TRAJECTORIES := checkpoints/tiny-qwen3-moe/scripted.parquet
 demo: setup
+	$(VENV)/bin/python tools/make_scripted_trajectories.py --recipe recipes/tiny_cpu.yaml --out $(DEMO_TRAJECTORIES) --num 512 --seed 0
 	$(VENV)/bin/sao train recipes/tiny_cpu.yaml
 
 # Default test suite (CPU; GPU tests skip; slow tests excluded). Exits non-zero on any failure.

@@ -1,4 +1,4 @@
-"""The `sao` command: help for every command, fast config errors, and the smoke job end to end."""
+"""The `sao` command: help for every command, fast config errors, and `sao train` end to end."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_every_command_has_help(capsys):
         assert "usage: sao" in text and len(text) > 80
         seen.append(" ".join(path))
         stack.extend(((*path, name), sub) for name, sub in _subcommands(p))
-    assert {"train", "smoke", "config", "config show", "config describe"} <= set(seen)
+    assert {"train", "sft", "config", "config show", "config describe"} <= set(seen)
 
 
 def test_bad_override_fails_fast_naming_the_key():
@@ -50,21 +50,40 @@ def test_config_show_prints_resolved_yaml(capsys):
     assert "updates_per_actor_step: 3" in out
 
 
+# The metric keys the trainer issue fixes (other tools read them).
+CONTRACT_KEYS = ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/lr", "actor/dis_masked_low_frac",
+                 "actor/dis_masked_high_frac", "critic/value_loss", "critic/explained_variance", "critic/grad_norm",
+                 "critic/grad_norm/attention", "critic/grad_norm/experts", "critic/lr", "critic/optimizer_steps",
+                 "moe/max_over_mean_load", "perf/tokens_per_s", "time/critic_s", "time/actor_s", "time/data_s",
+                 "train/skipped_steps")
+
+
 @pytest.mark.timeout(600)
-def test_smoke_job_end_to_end(tmp_path):
-    """The README's main job (shortened): tiny MoE actor + critic on 2 gloo ranks (EP2), real steps."""
+def test_train_job_end_to_end(tmp_path):
+    """The README's main job (shortened): tiny MoE actor + critic on 2 gloo ranks (EP2), recorded
+    trajectories, real steps, checkpoints, metrics with every contract key."""
+    from megatron_sao.rollout.trajectory_io import write_parquet
+    from tests.training.trajectories import random_trajectories
+
+    recorded = tmp_path / "recorded.parquet"
+    write_parquet(recorded, random_trajectories(24, seed=2))
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_sao.cli", "smoke", TINY, "run.total_steps=3", f"run.output_dir={tmp_path}",
-         f"model.hf_path={tmp_path / 'hf'}"],
+        [sys.executable, "-m", "megatron_sao.cli", "train", TINY, "run.total_steps=3", f"run.output_dir={tmp_path}",
+         f"model.hf_path={tmp_path / 'hf'}", f"data.trajectories_path={recorded}", "critic.warmup_steps=1",
+         "data.batch_size=8"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("rl finished at step 3")
     run_dir = tmp_path / "tiny_cpu"
     assert (run_dir / "config.yaml").is_file()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(r["critic/grad_norm_0"] > 0 and r["critic/grad_norm_1"] > 0 for r in rows)
-    assert "actor/grad_norm" not in rows[0]  # critic warmup: step 0 updates only the critic
-    assert all(r["actor/grad_norm"] > 0 for r in rows[1:])
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "actor/loss" not in rows[0]  # critic warmup: step 1 updates only the critic
+    missing = [k for k in CONTRACT_KEYS if k not in rows[-1]]
+    assert not missing, missing
+    assert [r["critic/optimizer_steps"] for r in rows] == [2, 4, 6]
+    assert (run_dir / "checkpoints" / "iter_0000003" / "actor").is_dir()
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
     assert "critic parameters" in proc.stderr and "attention" in proc.stderr

@@ -290,6 +290,9 @@ class CheckpointConfig:
     """Save every N actor steps (0: only at the end)."""
     keep_last: int = 3
     """Keep this many most recent checkpoints."""
+    async_save: bool = True
+    """GPU: write checkpoint shards in the background while training continues (the checkpoint
+    becomes complete, and `latest`, once written). CPU runs always save synchronously."""
     resume: bool | str = "auto"
     """'auto': resume from the latest complete checkpoint of the run if there is one; true: the
     same, but a missing checkpoint is an error; false or 'none': start fresh."""
@@ -313,6 +316,23 @@ class LauncherConfig:
     """Container image for Slurm jobs (pyxis/enroot), see launchers/container/."""
     extra_sbatch: list[str] = field(default_factory=list)
     """More #SBATCH lines, verbatim."""
+    gpu_type: str = ""
+    """GPU the recipe targets (e.g. "h200-141g"; see `sao plan --help`): `sao plan`'s default."""
+    engine_placement: Literal["auto", "colocated", "disaggregated"] = "auto"
+    """Where rollout engines run: on the trainer GPUs (time-shared), on GPUs of their own, or
+    decided from parallelism.world_size vs the allocation (auto)."""
+    requeue: bool = False
+    """Slurm: requeue the job after a preemption / time-limit checkpoint (resumes automatically)."""
+    network_interface: str = ""
+    """Network interface whose IP the nodes advertise to Ray / torch.distributed ('' = resolve the
+    hostname); the chosen address is logged."""
+    port_range: str = "20000-29999"
+    """Ports a job takes its block (Ray, torch.distributed) from, chosen per job id so that jobs
+    sharing a node do not collide."""
+    join_timeout_s: int = 300
+    """Seconds to wait for every node to join the Ray cluster before failing the job."""
+    container_mounts: list[str] = field(default_factory=list)
+    """Extra container mounts (SRC:DST) for Slurm jobs with a container image."""
 
 
 @dataclass(kw_only=True)

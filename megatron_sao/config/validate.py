@@ -109,6 +109,25 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
                         f"{', '.join(PARAM_GROUPS)} or re:<regex> (in {source})"
                     )
 
+    for role_name, role in (("actor", config.actor), ("critic", config.critic)):
+        if role.max_tokens_per_micro_batch is not None:
+            _check(role.max_tokens_per_micro_batch >= 1, f"{role_name}.max_tokens_per_micro_batch must be >= 1 "
+                   "or null", source)
+    _check(config.actor.num_mini_batches >= 1, "actor.num_mini_batches must be >= 1", source)
+    _check(config.actor.num_mini_batches <= config.data.batch_size, f"actor.num_mini_batches="
+           f"{config.actor.num_mini_batches} exceeds data.batch_size={config.data.batch_size}", source)
+    _check(config.run.max_consecutive_skipped_steps >= 1, "run.max_consecutive_skipped_steps must be >= 1", source)
+    r = config.rollout
+    _check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}", source)
+    # The trainer divides its logits by the engine's temperature, but the engine reports log-probs
+    # of the unfiltered distribution while sampling from the filtered one: DIS's ratio would then
+    # compare a distribution that was not sampled from.
+    if a.policy_loss == "dis" and (r.top_p < 1.0 or r.top_k > 0):
+        raise ConfigError(f"algorithm.policy_loss=dis needs unfiltered sampling: rollout.top_p={r.top_p} and "
+                          f"rollout.top_k={r.top_k} change the sampling distribution but not the log-probs the "
+                          f"engine reports; set rollout.top_p=1.0 rollout.top_k=-1 (in {source})")
+    if r.source == "recorded":
+        _check(bool(config.data.trajectories_path), "rollout.source=recorded needs data.trajectories_path", source)
     _check(config.data.batch_size >= 1, "data.batch_size must be >= 1", source)
     _check(config.run.total_steps >= 0, "run.total_steps must be >= 0", source)
     _check(config.rollout.num_engines >= 1, "rollout.num_engines must be >= 1", source)

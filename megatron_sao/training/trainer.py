@@ -300,11 +300,15 @@ class SaoTrainer:
                                  "(algorithm.advantage=running_mean needs one)")
             self.baseline.load_state_dict(state["baseline"])
 
-    def save_checkpoint(self, checkpoints_dir: Path, extra: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(self, checkpoints_dir: Path, extra: dict[str, Any] | None = None,
+                        final: bool = False) -> Path:
+        """Collective. On GPU with `checkpoint.async_save` the shards are written in the background
+        (`finalize_async_saves` completes them); a `final` save is always synchronous."""
         from megatron_sao.training.checkpoint import save_checkpoint
 
+        async_save = self.config.checkpoint.async_save and torch.cuda.is_available() and not final
         return save_checkpoint(checkpoints_dir, self.state.step, self.roles, {**self.state_dict(), **(extra or {})},
-                               keep_last=self.config.checkpoint.keep_last)
+                               keep_last=self.config.checkpoint.keep_last, async_save=async_save)
 
     def load_checkpoint(self, iter_dir: Path) -> dict[str, Any]:
         """Restore models, optimizers, schedules, RNG and counters; returns the whole saved state

@@ -1,0 +1,190 @@
+"""`sao train` / `sao sft`: the trainer on recorded trajectories, with checkpoints and exact resume.
+
+The driver spawns the recipe's trainer ranks on this machine (gloo on CPU, NCCL on GPU), and
+each rank runs `train_rank`: build the trainer, restore the latest checkpoint if any, then one
+`train_step` per batch of `data.batch_size` recorded trajectories until `run.total_steps`,
+logging every step to `<run_dir>/metrics.jsonl` (and wandb) and checkpointing every
+`checkpoint.save_every` steps and at the end.
+
+Stopping: SIGTERM or SIGINT (Slurm preemption, `scancel`, time limit with `--signal`, Ctrl-C)
+finishes the current step on every rank, writes a checkpoint and exits with code 143; the same
+command resumes from it. The rollout engines' source (`rollout.source=engine`) is the
+asynchronous pipeline's job (pipeline issue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_sao.config.schema import SaoConfig
+
+logger = logging.getLogger(__name__)
+
+STOPPED_BY_SIGNAL = 143  # 128 + SIGTERM: stopped early after writing a checkpoint; rerun to resume
+_stop_requested = False
+_CONSOLE_KEYS = ("actor/loss", "actor/entropy", "actor/dis_masked_frac", "critic/value_loss",
+                 "critic/explained_variance", "train/reward_mean", "perf/tokens_per_s")
+
+
+def checkpoints_dir(config: SaoConfig, run_dir: Path) -> Path:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+
+
+def resolve_resume(config: SaoConfig, run_dir: Path) -> Path | None:
+    """The checkpoint (an `iter_NNNNNNN` directory) this run continues from, or None for a fresh
+    start. A run directory never mixes runs: starting fresh where a run already left metrics is
+    refused, naming how to resume or rename."""
+    from megatron_sao.training.checkpoint import find_latest_checkpoint
+
+    resume = config.checkpoint.resume
+    mode = {True: "true", False: "none", "false": "none", "true": "true"}.get(resume, resume)
+    ckpt_dir = checkpoints_dir(config, run_dir)
+    latest = find_latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    used = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
+    if mode not in ("auto", "true", "none"):  # an explicit checkpoint path
+        path = Path(str(mode))
+        found = path if path.name.startswith("iter_") and path.is_dir() else find_latest_checkpoint(path)
+        if found is None:
+            raise ValueError(f"checkpoint.resume={path}: not an iter_NNNNNNN directory nor a checkpoints "
+                             "directory with a complete checkpoint")
+        if used:
+            raise ValueError(f"run directory {run_dir} already holds a run's metrics; resume it with "
+                             "checkpoint.resume=auto, or pick a new run.name to start from another checkpoint")
+        return found
+    if mode == "none":
+        if used or latest is not None:
+            raise ValueError(f"run directory {run_dir} already holds a run; continue it with checkpoint.resume=auto, "
+                             "or choose another run.name (or delete the directory) to start fresh")
+        return None
+    if latest is None:
+        if mode == "true":
+            raise ValueError(f"checkpoint.resume=true but {ckpt_dir} has no complete checkpoint")
+        if used:
+            raise ValueError(f"run directory {run_dir} holds metrics of a run that left no complete checkpoint; "
+                             "choose another run.name (or delete the directory) to start fresh")
+    return latest
+
+
+def _request_stop(signum: int, frame: Any) -> None:
+    global _stop_requested
+    _stop_requested = True
+
+
+def train_rank(config: SaoConfig, run_dir: str, mode: Literal["rl", "sft"], resume_from: str | None) -> dict[str, Any]:
+    """What every trainer rank runs; returns the last step's metrics and how the run ended."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_sao.config.loader import config_to_dict
+    from megatron_sao.platform import init_model_parallel
+    from megatron_sao.rollout.recorded import RecordedTrajectories
+    from megatron_sao.training.checkpoint import finalize_async_saves
+    from megatron_sao.training.trainer import SaoTrainer
+    from megatron_sao.utils.run_logging import MetricsLogger
+
+    signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
+    init_model_parallel(config.parallelism, seed=config.run.seed)
+    trainer = SaoTrainer(config, mode=mode)
+    source = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size)
+    ckpt_dir = checkpoints_dir(config, Path(run_dir))
+    resume_step = None
+    if resume_from is not None:
+        state = trainer.load_checkpoint(Path(resume_from))
+        source.load_state_dict(state["data"])
+        resume_step = trainer.state.step
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        logger.info("%s: %d trajectories from %s (%s); steps %d -> %d", mode, len(source), source.path,
+                    source.report.summary(), trainer.state.step, config.run.total_steps)
+
+    def save(final: bool = False) -> None:
+        extra = {"data": source.state_dict(), "config": config_to_dict(config)}
+        path = trainer.save_checkpoint(ckpt_dir, extra, final=final)
+        if rank0:
+            logger.info("checkpoint %s", path)
+
+    metrics: dict[str, float] = {}
+    saved_step, stopped = resume_step, False
+    with MetricsLogger(config, Path(run_dir), resume_step) if rank0 else contextlib.nullcontext() as metrics_log:
+        while trainer.state.step < config.run.total_steps:
+            metrics = trainer.train_step(source.next_batch())
+            metrics["data/epoch"] = source.epoch
+            step = trainer.state.step
+            if rank0:
+                if step % config.logging.log_every == 0 or step == config.run.total_steps:
+                    metrics_log.log(metrics, step=step)
+                logger.info("step %d/%d %s", step, config.run.total_steps,
+                            " ".join(f"{k}={metrics[k]:.4g}" for k in _CONSOLE_KEYS if k in metrics))
+            stop = torch.tensor([float(_stop_requested)])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            finalize_async_saves(blocking=False)
+            every = config.checkpoint.save_every
+            last = bool(stop.item()) or step == config.run.total_steps
+            if last or (every and step % every == 0):
+                save(final=last)
+                saved_step = step
+            if stop.item():
+                stopped = True
+                break
+        if saved_step != trainer.state.step:
+            save(final=True)
+        finalize_async_saves(blocking=True)
+    return {"step": trainer.state.step, "stopped": stopped, "metrics": metrics,
+            "skipped_rows": source.report.num_skipped}
+
+
+def _forward_to_children(signum: int, frame: Any) -> None:
+    """The parent only waits: pass the signal on so that every rank checkpoints and stops."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+
+
+def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int, dict[str, Any], Path]:
+    """Run the job on `launcher.nproc_per_node` local processes. Returns (exit code, rank 0's
+    result, run directory)."""
+    from megatron_sao.config.validate import trainer_world_size
+    from megatron_sao.models.build import check_layout_fits_model
+    from megatron_sao.platform import run_distributed
+    from megatron_sao.utils.run_logging import prepare_run_dir, run_dir_of
+
+    if mode == "rl" and config.rollout.source == "engine":
+        raise NotImplementedError("rollout.source=engine (trajectories streamed from rollout engines) is the "
+                                  "asynchronous pipeline, not built yet (pipeline issue); train on a recorded file "
+                                  "with rollout.source=recorded data.trajectories_path=FILE")
+    if not config.data.trajectories_path:
+        raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
+    if not Path(config.data.trajectories_path).is_file():
+        raise ValueError(f"data.trajectories_path={config.data.trajectories_path}: no such file")
+    if config.launcher.kind != "local" or config.launcher.nnodes != 1:
+        raise NotImplementedError("multi-node / Slurm launch is the Slurm-launchers issue; "
+                                  "set launcher.kind=local launcher.nnodes=1")
+    run_dir = run_dir_of(config)
+    resume_from = resolve_resume(config, run_dir)
+    if resume_from is not None:
+        resume_step = int(resume_from.name.removeprefix("iter_"))
+        if resume_step >= config.run.total_steps:
+            print(f"run {run_dir} is complete: checkpoint {resume_from} is at step {resume_step} >= "
+                  f"run.total_steps={config.run.total_steps}; raise run.total_steps to train on", flush=True)
+            return 0, {"step": resume_step, "stopped": False, "metrics": {}}, run_dir
+        print(f"resuming from {resume_from}", flush=True)
+        prepare_run_dir(config, resume_step=resume_step)
+    else:
+        prepare_run_dir(config)
+    check_layout_fits_model(config)  # also builds a tiny checkpoint once, before ranks race for it
+    print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
+    previous = {s: signal.signal(s, _forward_to_children) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = run_distributed(train_rank, trainer_world_size(config), config, str(run_dir), mode,
+                                 str(resume_from) if resume_from else None, timeout_s=float("inf"))[0]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir

@@ -1,0 +1,122 @@
+"""Recorded trajectories as a training source: replay, debugging, training on data made elsewhere.
+
+`RecordedTrajectories` reads a file written by `trajectory_io` (Parquet, or JSONL with one record
+per line) and hands out batches of `batch_size` trajectories in file order, wrapping around at the
+end (each pass is an epoch). A row that is not a valid trajectory record (unparseable, broken
+invariants, a non-finite reward) is skipped and counted with its file and row, like a bad prompt
+row (`rollout/datasets.py`); a file with no valid row is an error. The position (trajectories
+handed out so far) is the whole state: same file, same position -> same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from megatron_sao.rollout.datasets import LoadReport, SkippedRow
+from megatron_sao.rollout.trajectory import Trajectory
+from megatron_sao.rollout.trajectory_io import trajectory_from_dict
+
+logger = logging.getLogger(__name__)
+
+_LOGGED_SKIPS = 20
+
+
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    name = path.name.lower()
+    if name.endswith(".jsonl"):
+        with path.open("rb") as f:
+            for line_number, raw in enumerate(f, start=1):
+                if raw.strip():
+                    yield line_number, raw
+    elif name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+            row_number = 0
+            for batch in parquet.iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    row_number += 1
+                    yield row_number, row
+        except (OSError, pa.ArrowException) as e:
+            raise ValueError(f"trajectory file {path} is not a readable Parquet file: {e}") from e
+    else:
+        raise ValueError(f"trajectory file {path}: unknown format; use .parquet or .jsonl")
+
+
+def _parse(raw: Any) -> Trajectory:
+    row = json.loads(raw.decode("utf-8")) if isinstance(raw, bytes) else raw
+    if not isinstance(row, dict):
+        raise ValueError(f"row is a {type(row).__name__}, not a trajectory object")
+    row = dict(row)
+    if "metadata_json" in row:  # the Parquet layout stores metadata as JSON text
+        row["metadata"] = json.loads(row.pop("metadata_json") or "{}")
+    traj = trajectory_from_dict(row)
+    traj.validate()
+    bad = [r.value for r in traj.rewards if not math.isfinite(r.value)]
+    if bad:
+        raise ValueError(f"non-finite reward {bad[0]}")
+    return traj
+
+
+def load_trajectories(path: str | Path) -> tuple[list[Trajectory], LoadReport]:
+    """Every valid trajectory of `path`, in file order, and the report of what was skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"trajectory file {path} does not exist")
+    report = LoadReport()
+    out = []
+    for row_number, raw in _rows(path):
+        report.num_rows += 1
+        try:
+            out.append(_parse(raw))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            reason = "bad_record"
+            report.counts[reason] += 1
+            report.skipped.append(SkippedRow(str(path), row_number, reason, str(e)[:300]))
+            level = logging.WARNING if report.num_skipped <= _LOGGED_SKIPS else logging.DEBUG
+            logger.log(level, "skipping %s row %d: %s", path, row_number, str(e)[:300])
+    report.num_loaded = len(out)
+    if not out:
+        raise ValueError(f"trajectory file {path} has no valid trajectory ({report.summary()})")
+    return out, report
+
+
+class RecordedTrajectories:
+    """Batches of `batch_size` recorded trajectories in file order, wrapping around at the end."""
+
+    def __init__(self, path: str | Path, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.path = Path(path)
+        self.trajectories, self.report = load_trajectories(self.path)
+        self.batch_size = batch_size
+        self.position = 0
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    @property
+    def epoch(self) -> float:
+        return self.position / len(self.trajectories)
+
+    def next_batch(self) -> list[Trajectory]:
+        n = len(self.trajectories)
+        batch = [self.trajectories[(self.position + i) % n] for i in range(self.batch_size)]
+        self.position += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "position": self.position, "num_trajectories": len(self.trajectories)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_trajectories"] != len(self.trajectories):
+            logger.warning("resuming %s at position %d: the file now holds %d valid trajectories, it held %d",
+                           self.path, state["position"], len(self.trajectories), state["num_trajectories"])
+        self.position = int(state["position"])

@@ -1,0 +1,145 @@
+"""`sao train` / `sao sft` as jobs: exact resume (also into another layout), run-directory rules,
+SFT -> RL hand-off through `actor.load` (gloo, CPU, tiny Qwen3-MoE, fp32)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_sao.config import load_config
+from megatron_sao.jobs.train import resolve_resume, run_train
+from megatron_sao.rollout.trajectory_io import write_parquet
+from tests.training.trainer_worker import TIMING_PREFIXES
+from tests.training.trajectories import random_trajectories
+
+
+@pytest.fixture(scope="module")
+def trajectories_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("recorded") / "trajectories.parquet"
+    write_parquet(path, random_trajectories(40, seed=21, long_every=10))
+    return path
+
+
+def _config(tmp_path: Path, hf_dir: Path, trajectories: Path, name: str, *overrides: str):
+    return load_config(None, [
+        f"run.output_dir={tmp_path}", f"run.name={name}", f"model.hf_path={hf_dir}", "model.dtype=float32",
+        "launcher.nproc_per_node=2", "parallelism.expert=2", "logging.param_table=false",
+        "logging.wandb_mode=disabled", "rollout.source=recorded", f"data.trajectories_path={trajectories}",
+        "data.batch_size=6", "critic.warmup_steps=1", "actor.optim.lr=1e-4", "critic.optim.lr=1e-4",
+        "checkpoint.save_every=3", "checkpoint.keep_last=10", *overrides])
+
+
+def _tensors(iter_dir: Path, role: str, tmp_path: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{iter_dir.parent.parent.name}_{iter_dir.name}_{role}.pt"
+    dcp_to_torch_save(iter_dir / role, out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix.rstrip(".")] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _numeric(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}
+
+
+@pytest.mark.timeout(900)
+def test_kill_and_resume_is_exact_and_reshards(tmp_path, tiny_hf_dir, trajectories_file):
+    straight = _config(tmp_path, tiny_hf_dir, trajectories_file, "straight", "run.total_steps=6")
+    assert run_train(straight)[0] == 0
+    first = _config(tmp_path, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=3")
+    assert run_train(first)[0] == 0
+    # The "killed" run left steps 4-5 in its metrics (logged after its last checkpoint): resuming
+    # must drop them, not duplicate them.
+    resumed_dir = tmp_path / "resumed"
+    with (resumed_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 4, "actor/loss": 123.0}) + "\n" + '{"step": 5, "actor/lo')
+    code, result, _ = run_train(_config(tmp_path, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=6"))
+    assert code == 0 and result["step"] == 6
+
+    a, b = tmp_path / "straight/checkpoints/iter_0000006", resumed_dir / "checkpoints/iter_0000006"
+    assert (resumed_dir / "checkpoints/latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    for role in ("actor", "critic"):
+        ta, tb = _tensors(a, role, tmp_path), _tensors(b, role, tmp_path)
+        assert ta.keys() == tb.keys() and any(k.startswith("optimizer.") for k in ta)
+        different = [k for k in ta if not torch.equal(ta[k], tb[k])]
+        assert not different, f"{role}: {different[:5]}"
+    rows_a, rows_b = _metrics(tmp_path / "straight"), _metrics(resumed_dir)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]
+    assert [_numeric(r) for r in rows_a[3:]] == [_numeric(r) for r in rows_b[3:]]
+    assert (resumed_dir / "config.before_step_0000003.yaml").is_file()  # run.total_steps changed
+
+    # Resume the step-3 checkpoint into another layout (EP2 -> DP2): same result within 1e-6.
+    other = _config(tmp_path, tiny_hf_dir, trajectories_file, "relayout", "run.total_steps=6", "parallelism.expert=1",
+                    f"checkpoint.resume={resumed_dir / 'checkpoints/iter_0000003'}")
+    assert run_train(other)[0] == 0
+    c = tmp_path / "relayout/checkpoints/iter_0000006"
+    for role in ("actor", "critic"):
+        ta, tc = _tensors(a, role, tmp_path), _tensors(c, role, tmp_path)
+        assert ta.keys() == tc.keys()
+        worst = max(float((ta[k].double() - tc[k].double()).abs().max()) for k in ta if ta[k].numel())
+        assert worst <= 1e-6, f"{role}: {worst}"
+
+    # A complete run is not trained again.
+    code, result, _ = run_train(_config(tmp_path, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=6"))
+    assert code == 0 and result["step"] == 6
+
+
+def test_run_directory_is_never_mixed(tmp_path, tiny_hf_dir, trajectories_file):
+    cfg = _config(tmp_path, tiny_hf_dir, trajectories_file, "used")
+    assert resolve_resume(cfg, tmp_path / "used") is None  # fresh
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match="left no complete checkpoint"):
+        resolve_resume(cfg, tmp_path / "used")
+    with pytest.raises(ValueError, match="already holds a run"):
+        resolve_resume(_config(tmp_path, tiny_hf_dir, trajectories_file, "used", "checkpoint.resume=none"),
+                       tmp_path / "used")
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        resolve_resume(_config(tmp_path, tiny_hf_dir, trajectories_file, "fresh", "checkpoint.resume=true"),
+                       tmp_path / "fresh")
+    with pytest.raises(ValueError, match="not an iter_NNNNNNN"):
+        resolve_resume(_config(tmp_path, tiny_hf_dir, trajectories_file, "fresh",
+                               f"checkpoint.resume={tmp_path / 'nowhere'}"), tmp_path / "fresh")
+
+
+def test_engine_source_is_the_pipeline_issue(tmp_path, tiny_hf_dir, trajectories_file):
+    cfg = _config(tmp_path, tiny_hf_dir, trajectories_file, "engine", "rollout.source=engine")
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        run_train(cfg)
+
+
+@pytest.mark.timeout(900)
+def test_sft_checkpoint_starts_rl(tmp_path, tiny_hf_dir, trajectories_file):
+    from megatron_sao.platform import run_distributed
+    from tests.jobs import load_worker
+
+    sft = _config(tmp_path, tiny_hf_dir, trajectories_file, "sft", "run.total_steps=2", "launcher.nproc_per_node=1",
+                  "parallelism.expert=1", "actor.optim.lr=1e-3")
+    assert run_train(sft, mode="sft")[0] == 0
+    ckpt = tmp_path / "sft" / "checkpoints"
+    assert sorted(p.name for p in (ckpt / "iter_0000002").iterdir() if p.is_dir()) == ["actor"]
+    saved = _tensors(ckpt / "iter_0000002", "actor", tmp_path)
+    # RL in another layout (EP2) starts from the SFT weights, not the HF ones.
+    loaded = run_distributed(load_worker.actor_parameters, 2, str(tiny_hf_dir),
+                             ["parallelism.expert=2", f"actor.load={ckpt}"])[0]
+    fresh = run_distributed(load_worker.actor_parameters, 1, str(tiny_hf_dir), [])[0]
+    model_keys = [k for k in loaded if k in saved]
+    assert len(model_keys) == len(loaded)
+    assert all(torch.equal(loaded[k].to(saved[k].dtype), saved[k]) for k in model_keys)
+    assert any(not torch.equal(fresh[k], loaded[k]) for k in model_keys)
