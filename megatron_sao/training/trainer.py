@@ -55,7 +55,9 @@ from megatron_sao.training.steps import (
 
 logger = logging.getLogger(__name__)
 
-Mode = Literal["rl", "sft"]
+Mode = Literal["rl", "sft", "critic"]
+"""rl: actor + critic (or a critic-free estimator); sft: the actor alone, cross-entropy on action
+tokens; critic: the critic alone, value loss against the returns (value pretraining)."""
 
 
 class TrainingAborted(RuntimeError):
@@ -104,15 +106,15 @@ class SaoTrainer:
         self.mode = mode
         self.state = TrainerState()
         alg = config.algorithm
-        self.has_critic = mode == "rl" and adv.needs_critic(alg)
-        self.warmup_steps = config.critic.warmup_steps if self.has_critic else 0
+        self.has_critic = mode == "critic" or (mode == "rl" and adv.needs_critic(alg))
+        self.warmup_steps = config.critic.warmup_steps if self.has_critic and mode == "rl" else 0
         mini = config.actor.num_mini_batches
         actor_updates = max(1, (config.run.total_steps - self.warmup_steps) * mini)
-        self.actor = self._build_role("actor", actor_updates)
+        self.actor = self._build_role("actor", actor_updates) if mode != "critic" else None
         self.critic = (self._build_role("critic", max(1, config.run.total_steps * config.critic.updates_per_actor_step))
                        if self.has_critic else None)
         self.baseline = adv.make_baseline(alg) if mode == "rl" else None
-        self.router_load = RouterLoadTracker(self.actor.chunks)
+        self.router_load = RouterLoadTracker(self.actor.chunks) if self.actor is not None else None
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -133,7 +135,7 @@ class SaoTrainer:
 
     @property
     def roles(self) -> dict[str, RoleOptimizer]:
-        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        return {name: role for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -145,9 +147,11 @@ class SaoTrainer:
         trajectory_adv_b = (adv.trajectory_advantages(self.config.algorithm, trajectories, self.baseline)
                             if self.mode == "rl" and not self.has_critic else None)
         critic_batch = self._shard(trajectories, "critic") if self.has_critic else None
-        actor_batches = self._actor_mini_batches(trajectories)
+        actor_batches = self._actor_mini_batches(trajectories) if self.actor is not None else []
         metrics: dict[str, float] = batch_metrics(trajectories)
-        metrics["perf/padding_frac"] = padded_fraction([mb for b, _ in actor_batches for mb in b.micro_batches])
+        computed = [mb for b, _ in actor_batches for mb in b.micro_batches] or (critic_batch.micro_batches
+                                                                                  if critic_batch else [])
+        metrics["perf/padding_frac"] = padded_fraction(computed)
         metrics["time/data_s"] = time.perf_counter() - start
 
         skipped = False
@@ -158,7 +162,7 @@ class SaoTrainer:
         metrics["time/critic_s"] = time.perf_counter() - t_critic
 
         t_actor = time.perf_counter()
-        actor_trains = self.mode == "sft" or self.state.step >= self.warmup_steps
+        actor_trains = self.actor is not None and (self.mode == "sft" or self.state.step >= self.warmup_steps)
         if not skipped and actor_trains:
             skipped = self._actor_phase(actor_batches, actor_adv_rows, trajectory_adv_b, metrics)
         metrics["time/actor_s"] = time.perf_counter() - t_actor

@@ -21,9 +21,9 @@ def _full_logits(chunks, batch):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_sao.training.forward_backward import run_forward_backward
+    from megatron_sao.training.steps import model_forward
 
-    out = run_forward_backward(chunks, [batch], lambda m, b: m(b["input_ids"], b["position_ids"],
-                               b["attention_mask"]), loss_fn=None, forward_only=True)
+    out = run_forward_backward(chunks, [batch], model_forward, loss_fn=None, forward_only=True)
     local = out[0].detach() if out else None
     if local is not None:
         local = gather_from_tensor_model_parallel_region(local.contiguous())
@@ -40,6 +40,7 @@ def run_layout(hf_dir: str, overrides: list[str]) -> dict:
     from megatron_sao.platform import init_model_parallel
     from megatron_sao.training.forward_backward import broadcast_from_last_stage, run_forward_backward
     from megatron_sao.training.optim import build_optimizer, ddp_config_for, optimizer_step, zero_grads
+    from megatron_sao.training.steps import model_forward, token_loss_forward
 
     world = dist.get_world_size()
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "model.dtype=float32", f"parallelism.world_size={world}",
@@ -70,10 +71,7 @@ def run_layout(hf_dir: str, overrides: list[str]) -> dict:
         before = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
         zero_grads(opt)
 
-        def forward_fn(model, b, role=role):
-            if role == "actor":
-                return model(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
-            return model(b["input_ids"], b["position_ids"], b["attention_mask"])
+        forward_fn = token_loss_forward if role == "actor" else model_forward
 
         def loss_fn(output, b, role=role):
             token_loss = output.float() if role == "actor" else (values_from_head(output) - b["value_targets"]) ** 2

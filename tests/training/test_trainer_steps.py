@@ -67,3 +67,11 @@ def test_sft_lowers_its_loss(tiny_hf_dir):
     losses = run_distributed(trainer_worker.sft_steps, 1, str(tiny_hf_dir))[0]
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_critic_only_mode_for_value_pretraining(tiny_hf_dir):
+    r = run_distributed(trainer_worker.critic_only_steps, 1, str(tiny_hf_dir))[0]
+    assert r["roles"] == ["critic"] and not r["has_actor"]
+    losses = [m["critic/value_loss"] for m in r["history"]]
+    assert [m["critic/optimizer_steps"] for m in r["history"]] == [1, 2, 3, 4]
+    assert losses[-1] < losses[0] and all("actor/loss" not in m for m in r["history"])

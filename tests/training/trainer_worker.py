@@ -155,3 +155,11 @@ def sft_steps(hf_dir: str, num_steps: int = 6) -> list[float]:
     assert trainer.critic is None
     trajectories = random_trajectories(6, seed=13)
     return [trainer.train_step(trajectories)["actor/loss"] for _ in range(num_steps)]
+
+
+def critic_only_steps(hf_dir: str) -> dict[str, Any]:
+    """mode="critic" (value pretraining): no actor built, the value loss falls on a fixed batch."""
+    trainer = build_trainer(hf_dir, ["critic.updates_per_actor_step=1"], mode="critic")
+    trajectories = random_trajectories(6, seed=17)
+    history = [trainer.train_step(trajectories) for _ in range(4)]
+    return {"history": history, "roles": sorted(trainer.roles), "has_actor": trainer.actor is not None}
