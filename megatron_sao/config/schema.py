@@ -226,9 +226,15 @@ class RolloutConfig:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options."""
     environment: str = "math_python"
-    """Environment name (registry) or `module:Class`."""
-    reward: str = "math_equivalence"
-    """Reward function name (registry) or `module:function`."""
+    """Environment name (registered: calc, guess_number, math_python, subprocess) or
+    `module:attribute`; checked when the config loads."""
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the environment (its builder's keyword arguments, e.g. `calc`'s CalcConfig
+    fields); they override what is derived from the keys below."""
+    reward: str = "math"
+    """Reward function (registered: exact_match, math, remote) or `module:function`, for
+    environments that score with one (math_python); environments that score themselves (calc)
+    do not read it. Checked when the config loads."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
@@ -248,9 +254,9 @@ class RolloutConfig:
     max_inflight_per_engine: int = 64
     """Trajectories generating concurrently on one engine."""
     tool_timeout_s: float = 10.0
-    """Wall-clock limit of one sandboxed tool call."""
+    """Wall-clock limit of one sandboxed tool call (math_python's `timeout_s`)."""
     tool_memory_mb: int = 1024
-    """Memory limit of one sandboxed tool call."""
+    """Memory limit of one sandboxed tool call (math_python's `memory_mb`)."""
 
 
 @dataclass(kw_only=True)
@@ -336,6 +342,36 @@ class LauncherConfig:
 
 
 @dataclass(kw_only=True)
+class ValuePretrainConfig:
+    """`sao value-pretrain generate | train`: a rollout corpus from the SFT policy, then the critic
+    alone trained on it (docs/value-pretraining.md). Batch size, steps, targets and the critic's
+    optimizer come from `data.batch_size`, `run.total_steps`, `algorithm` and `critic`."""
+
+    corpus_dir: str = ""
+    """Corpus directory (sharded Parquet + manifest.json). '' = `<run.output_dir>/<run.name>/corpus`."""
+    samples_per_prompt: int = 4
+    """Trajectories generated per prompt of `data.train_path` (not `algorithm.group_size`)."""
+    num_prompts: int | None = None
+    """Use only the first N prompts of `data.train_path` (None: all)."""
+    prompts_per_shard: int = 256
+    """Prompts whose trajectories go into one Parquet shard (the unit of resume when generating)."""
+    row_group_size: int = 64
+    """Trajectories per Parquet row group: the unit each data-parallel rank reads and shuffles."""
+    heldout_fraction: float = 0.05
+    """Share of prompts (chosen by a seeded hash of the prompt id) written to held-out shards."""
+    verify_hashes: bool = True
+    """Check every shard's SHA-256 against the manifest before training (each rank a share)."""
+    on_bad_shard: Literal["skip", "stop"] = "stop"
+    """A shard that is missing, unreadable or fails its hash: report it and skip it, or stop."""
+    eval_every: int = 50
+    """Evaluate on the held-out split every N steps (and after the last step); 0: only at the end."""
+    eval_max_trajectories: int = 256
+    """Held-out trajectories evaluated (the first N of the held-out split, always the same ones)."""
+    calibration_bins: int = 10
+    """Bins of predicted value in the calibration table (equal width over the held-out return range)."""
+
+
+@dataclass(kw_only=True)
 class SaoConfig:
     """A whole megatron-sao run."""
 
@@ -350,3 +386,4 @@ class SaoConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    value_pretrain: ValuePretrainConfig = field(default_factory=ValuePretrainConfig)

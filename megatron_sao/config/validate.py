@@ -126,6 +126,7 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
         raise ConfigError(f"algorithm.policy_loss=dis needs unfiltered sampling: rollout.top_p={r.top_p} and "
                           f"rollout.top_k={r.top_k} change the sampling distribution but not the log-probs the "
                           f"engine reports; set rollout.top_p=1.0 rollout.top_k=-1 (in {source})")
+    _check_rollout_names(config, source)
     if r.source == "recorded":
         _check(bool(config.data.trajectories_path), "rollout.source=recorded needs data.trajectories_path", source)
     _check(config.data.batch_size >= 1, "data.batch_size must be >= 1", source)
@@ -135,6 +136,22 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
     _check(0.0 < config.rollout.top_p <= 1.0, "rollout.top_p must be in (0, 1]", source)
     if config.model.build_tiny:
         _check(bool(config.model.hf_path), "model.build_tiny needs model.hf_path (where to build it)", source)
+
+
+def _check_rollout_names(config: SaoConfig, source: str) -> None:
+    """Environment and reward names must be registered (or import paths `module:attribute`).
+
+    The registries are read lazily from the rollout package: they are plain name tables (importing
+    them loads no environment), and a name checked here cannot fail an hour into a run."""
+    from megatron_sao.rollout.envs.registry import registered_environments
+    from megatron_sao.rollout.rewards.registry import registered_rewards
+
+    r = config.rollout
+    for key, name, valid in (("rollout.environment", r.environment, registered_environments()),
+                             ("rollout.reward", r.reward, registered_rewards())):
+        if name not in valid and ":" not in name:
+            raise ConfigError(f"{key}: unknown name {name!r}; registered: {', '.join(valid)}, or an import path "
+                              f"'module:attribute' (in {source})")
 
 
 def validate_against_model(config: SaoConfig, arch: dict[str, Any], source: str = "config") -> None:

@@ -7,9 +7,18 @@ These functions are the one place that maps one onto the other.
 
 from __future__ import annotations
 
-from megatron_sao.config.schema import SaoConfig
+from collections.abc import Callable
+from typing import Any
+
+from megatron_sao.config.schema import RolloutConfig, SaoConfig
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.launcher import EngineConfig
+
+# What each shipped environment takes from `SaoConfig.rollout` (its builder's keyword arguments);
+# `rollout.environment_kwargs` overrides these.
+_ENVIRONMENT_SETTINGS: dict[str, Callable[[RolloutConfig], dict[str, Any]]] = {
+    "math_python": lambda r: {"reward": r.reward, "timeout_s": r.tool_timeout_s, "memory_mb": r.tool_memory_mb},
+}
 
 
 def engine_config_from(config: SaoConfig, model_path: str | None = None) -> EngineConfig:
@@ -42,3 +51,18 @@ def agent_loop_config_from(config: SaoConfig) -> AgentLoopConfig:
         top_k=rollout.top_k,
         max_concurrent_trajectories=rollout.num_engines * rollout.max_inflight_per_engine,
     )
+
+
+def environment_kwargs_from(config: SaoConfig) -> dict[str, Any]:
+    """Keyword arguments of the environment's builder: derived settings, then the recipe's
+    `rollout.environment_kwargs` on top."""
+    rollout = config.rollout
+    derived = _ENVIRONMENT_SETTINGS.get(rollout.environment, lambda r: {})(rollout)
+    return {**derived, **rollout.environment_kwargs}
+
+
+def env_factory_from(config: SaoConfig) -> Any:
+    """The per-trajectory environment factory of `config`."""
+    from megatron_sao.rollout.envs import make_env_factory
+
+    return make_env_factory(config.rollout.environment, **environment_kwargs_from(config))

@@ -19,3 +19,28 @@ def test_rollout_settings_follow_the_run_config():
     loop = agent_loop_config_from(cfg)
     assert (loop.max_turns, loop.max_new_tokens_per_turn, loop.temperature) == (4, 64, 0.7)
     assert loop.max_concurrent_trajectories == 15
+
+
+def test_environment_and_reward_names_are_checked_at_load():
+    import pytest
+
+    from megatron_sao.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.environment: unknown name 'synthetic_tool'; registered: calc"):
+        load_config(TINY, ["rollout.environment=synthetic_tool"])
+    with pytest.raises(ConfigError, match=r"rollout.reward: unknown name 'math_equivalence'; registered: exact_match"):
+        load_config(TINY, ["rollout.reward=math_equivalence"])
+    assert load_config(TINY, ["rollout.environment=mypkg.envs:make_env"]).rollout.environment == "mypkg.envs:make_env"
+
+
+def test_environment_options_are_derived_once():
+    from megatron_sao.rollout.settings import env_factory_from, environment_kwargs_from
+
+    cfg = load_config(TINY, ["rollout.environment=math_python", "rollout.tool_timeout_s=3",
+                             "rollout.tool_memory_mb=512", "rollout.reward=exact_match"])
+    assert environment_kwargs_from(cfg) == {"reward": "exact_match", "timeout_s": 3.0, "memory_mb": 512}
+    cfg = load_config(TINY, ["rollout.environment=math_python", "rollout.environment_kwargs={memory_mb: 256}"])
+    assert environment_kwargs_from(cfg)["memory_mb"] == 256  # the recipe's explicit option wins
+    calc = load_config(TINY, ["rollout.environment_kwargs={max_turns: 3}"])
+    assert environment_kwargs_from(calc) == {"max_turns": 3}
+    assert callable(env_factory_from(load_config(TINY)))
