@@ -1,7 +1,7 @@
 """The `sao` command: one thin sub-command per job.
 
     sao train RECIPE.yaml [section.key=value ...]
-    sao smoke RECIPE.yaml [section.key=value ...]
+    sao sft RECIPE.yaml [section.key=value ...]
     sao config show RECIPE.yaml [section.key=value ...]
     sao config describe [SECTION]
     sao convert {hf-to-mcore,mcore-to-hf,verify} ...
@@ -31,26 +31,24 @@ def _load(args: argparse.Namespace):
     return load_config(args.recipe, args.overrides)
 
 
-def _cmd_smoke(args: argparse.Namespace, config=None) -> int:
-    from megatron_sao.smoke import run_smoke
-    from megatron_sao.utils.run_logging import prepare_run_dir
+def _run_training(args: argparse.Namespace, mode: str) -> int:
+    from megatron_sao.jobs.train import run_train
 
-    config = config or _load(args)
-    run_dir = prepare_run_dir(config)
-    print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
-    history = run_smoke(config, run_dir)
-    last = history[-1] if history else {}
-    print(f"smoke run finished: {len(history)} steps; last step: "
-          + ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float)), flush=True)
-    return 0
+    code, result, run_dir = run_train(_load(args), mode=mode)
+    metrics = result.get("metrics") or {}
+    shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in ("actor/loss", "critic/value_loss", "critic/explained_variance",
+                                                          "train/reward_mean") if k in metrics)
+    how = "stopped by a signal after its checkpoint; rerun to resume" if result.get("stopped") else "finished"
+    print(f"{mode} {how} at step {result['step']} ({run_dir}){': ' + shown if shown else ''}", flush=True)
+    return code
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    config = _load(args)
-    print("NOTE: the SAO trainer (rollout + critic/actor steps) is not built yet (trainer issue); "
-          "`sao train` runs the foundation smoke run on this recipe: real Megatron actor and "
-          "critic, real optimizer steps, synthetic data.", flush=True)
-    return _cmd_smoke(args, config)
+    return _run_training(args, "rl")
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    return _run_training(args, "sft")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -76,20 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = sub.add_parser("train", help="run a recipe (today: the foundation smoke run, see its help)",
-                           description="Run a training recipe. Until the SAO trainer lands this runs "
-                                       "the foundation smoke run (see `sao smoke --help`).")
+    train = sub.add_parser(
+        "train", help="SAO / ablation RL training of a recipe",
+        description="Train the recipe's actor and critic (on launcher.nproc_per_node local processes, gloo on "
+                    "CPU): K critic updates and one actor update per batch of data.batch_size trajectories, "
+                    "run.total_steps steps. Trajectories come from rollout.source: `recorded` reads "
+                    "data.trajectories_path (Parquet/JSONL of the trajectory record) in file order; `engine` "
+                    "(rollout engines) is the asynchronous pipeline, not built yet. Writes config.yaml, "
+                    "metrics.jsonl, wandb (offline) and checkpoints/iter_NNNNNNN/ into run.output_dir/run.name; "
+                    "resumes from the latest checkpoint there (checkpoint.resume=auto). SIGTERM/SIGINT: "
+                    "checkpoint, then exit 143.")
     _add_recipe_args(train)
     train.set_defaults(func=_cmd_train)
 
-    smoke = sub.add_parser("smoke", help="build the recipe's actor and critic and take a few optimizer steps",
-                           description="Build the recipe's Megatron actor and critic (on "
-                                       "launcher.nproc_per_node local processes, gloo on CPU), then run "
-                                       "run.total_steps steps on synthetic sequences: K critic steps and one "
-                                       "DIS-style actor step each. Writes config.yaml, metrics.jsonl and "
-                                       "wandb (offline) files into run.output_dir/run.name.")
-    _add_recipe_args(smoke)
-    smoke.set_defaults(func=_cmd_smoke)
+    sft = sub.add_parser(
+        "sft", help="supervised fine-tuning of the actor on recorded trajectories",
+        description="Cross-entropy on the action tokens (loss_mask) of data.trajectories_path, actor only, "
+                    "run.total_steps steps of data.batch_size trajectories; same run directory, checkpoint "
+                    "layout and resume rules as `sao train`. RL starts from the result with "
+                    "actor.load=RUN_DIR/checkpoints.")
+    _add_recipe_args(sft)
+    sft.set_defaults(func=_cmd_sft)
 
     config = sub.add_parser("config", help="show a resolved recipe or describe config keys",
                             description="Inspect configuration.")
@@ -104,26 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
     describe.add_argument("section", nargs="?", help="a section (e.g. critic) or key (e.g. algorithm.eps_low)")
     describe.set_defaults(func=_cmd_config_describe)
 
-    try:
-        from megatron_sao.checkpointing.convert_cli import add_convert_parser
-    except ImportError as e:  # the conversion CLI is optional only while it is being built
-        logging.getLogger(__name__).debug("convert CLI unavailable: %s", e)
-    else:
-        add_convert_parser(sub)
+    from megatron_sao.checkpointing.convert_cli import add_convert_parser
+    from megatron_sao.jobs.launch import add_launch_parser
+    from megatron_sao.jobs.plan import add_plan_parser
+
+    add_convert_parser(sub)
+    add_plan_parser(sub)
+    add_launch_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from megatron_sao.config import ConfigError
+    """Exit codes (docs/exit-codes.md), the same for every sub-command: 0 success, 1 a check failed,
+    2 user error (bad input, one line), 3 internal error, 130 interrupted. A sub-command whose
+    parser sets `quiet_log=True` (and `--log-file`) gets third-party output sent to its log file
+    unless `-v` is given; its own lines stay on the terminal (`console.console_out()`)."""
+    from megatron_sao.checkpointing.console import log_path_for, run_command
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except ConfigError as e:
-        print(f"sao: config error: {e}", file=sys.stderr)
-        return 2
+    return run_command(f"sao {args.command}", args.func, args, log_path_for(args))
 
 
 if __name__ == "__main__":

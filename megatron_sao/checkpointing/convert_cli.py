@@ -2,18 +2,22 @@
 
 `add_convert_parser(subparsers)` registers the `convert` command on the `sao` parser; every leaf
 sub-command stores `func`, a callable taking the parsed namespace and returning the exit status
-(0 ok, 1 verification above tolerance, 2 user error). `main` runs it standalone (tools/convert_*.py).
+(0 ok, 1 verification above tolerance), and `quiet_log=True`: the caller (`sao`'s `main`, or
+`main` here for tools/convert_*.py) runs it through `console.run_command`, which maps exceptions
+to exit codes 2 (user error) and 3 (internal error) and sends third-party output to the log file
+(`--log-file`, default a fresh file in the temp directory; `-v` keeps it on the terminal). The
+command's own lines go to the terminal; its result is the last one.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import logging
+import os
 import re
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
+from megatron_sao.checkpointing.console import console_out, log_path_for, run_command
 from megatron_sao.checkpointing.families import FAMILIES
 
 _LAYOUT_HELP = """
@@ -46,42 +50,63 @@ def _add_layout(parser: argparse.ArgumentParser) -> None:
                        help="spawn this many local processes (ignored under torchrun/srun; default 1)")
 
 
+def _add_log_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-file", metavar="PATH", default=None,
+                        help="where third-party output (warnings, library logs) goes; default: a new "
+                             "sao-convert-*.log in the temp directory; `sao -v` shows it on the terminal instead")
+    parser.set_defaults(quiet_log=True)
+
+
+def _add_checksum_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
+                        help="check every file's SHA-256 against the manifest before loading (default: on; "
+                             "--no-verify-checksums skips this extra read of the checkpoint)")
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out if it is a previous conversion output (atomically, at the end); "
+                             "an --out that is, contains or sits inside the source is always refused")
+    parser.add_argument("--remove-leftovers", action="store_true",
+                        help="delete staging directories that killed conversions into --out left behind "
+                             "(reported either way)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    _add_log_flag(parser)
+
+
 def _layout(args: argparse.Namespace):
     from megatron_sao.checkpointing.model_setup import Layout
 
     return Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
 
 
-def _user_errors(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """A user error (ValueError / NotImplementedError) prints one line and exits 2, whoever calls."""
-
-    @functools.wraps(run)
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except (ValueError, NotImplementedError) as e:
-            print(f"sao convert: error: {e}", file=sys.stderr)
-            return 2
-
-    return wrapped
-
-
 def _report(rank: int, lines: list[str]) -> None:
     if rank == 0:
         for line in lines:
-            print(line, flush=True)
+            print(line, file=console_out(), flush=True)
 
 
-@_user_errors
+def _leftovers(args: argparse.Namespace) -> list[str]:
+    """Report (or remove, with --remove-leftovers) staging directories of killed conversions."""
+    from megatron_sao.checkpointing.launch import under_launcher
+    from megatron_sao.checkpointing.output_dir import report_leftovers
+
+    if under_launcher() and int(os.environ.get("RANK", "0")) != 0:
+        return []
+    return report_leftovers(Path(args.out), remove=args.remove_leftovers)
+
+
 def _run_hf_to_mcore(args: argparse.Namespace) -> int:
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
     from megatron_sao.checkpointing.launch import run_collective
+
+    notes = _leftovers(args)
 
     request = HfToMcoreRequest(hf_dir=Path(args.hf), out_dir=Path(args.out), layout=_layout(args), role=args.role,
                                overwrite=args.overwrite, seed=args.seed, value_head_init_std=args.value_head_init_std,
                                progress=not args.no_progress)
     rank, result = run_collective(convert_hf_to_mcore, args.nproc, request)
-    lines = [f"hf-to-mcore: {result['summary']}"]
+    lines = [*notes]
     head = result["value_head"] or {}
     if head.get("initialized"):
         lines.append(f"value head initialised: normal(0, {head['init_std']}^2), seed {head['seed']} "
@@ -89,14 +114,15 @@ def _run_hf_to_mcore(args: argparse.Namespace) -> int:
     if result["passthrough"]:
         lines.append(f"carried through unchanged (not in the Megatron model): {len(result['passthrough'])} tensors, "
                      f"e.g. {result['passthrough'][0]}")
-    _report(rank, lines)
+    _report(rank, [*lines, f"hf-to-mcore: {result['summary']}"])
     return 0
 
 
-@_user_errors
 def _run_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_sao.checkpointing.launch import run_collective
     from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
+
+    notes = _leftovers(args)
 
     request = McoreToHfRequest(
         mcore_dir=Path(args.mcore), out_dir=Path(args.out),
@@ -104,17 +130,16 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
         dtype=args.dtype, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
         verify_checksums=args.verify_checksums, progress=not args.no_progress)
     rank, result = run_collective(convert_mcore_to_hf, args.nproc, request)
-    _report(rank, [f"mcore-to-hf: {result['summary']}"])
+    _report(rank, [*notes, f"mcore-to-hf: {result['summary']}"])
     return 0
 
 
-@_user_errors
 def _run_verify(args: argparse.Namespace) -> int:
     from megatron_sao.checkpointing.launch import run_collective
     from megatron_sao.checkpointing.verify import DEFAULT_PROMPT, VerifyRequest, verify
 
     request = VerifyRequest(hf_dir=Path(args.hf), mcore_dir=Path(args.mcore), layout=_layout(args),
-                            prompt=args.prompt or DEFAULT_PROMPT)
+                            prompt=args.prompt or DEFAULT_PROMPT, verify_checksums=args.verify_checksums)
     rank, result = run_collective(verify, args.nproc, request)
     ok = result.max_abs <= args.tolerance
     _report(rank, [f"verify: {result.describe()}",
@@ -146,8 +171,7 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     h2m.add_argument("--seed", type=int, default=1234, help="seed of an initialised value head (default 1234)")
     h2m.add_argument("--value-head-init-std", type=float, default=0.02,
                      help="std of an initialised value head (default 0.02)")
-    h2m.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (atomically, at the end)")
-    h2m.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    _add_output_flags(h2m)
     _add_layout(h2m)
     h2m.set_defaults(func=_run_hf_to_mcore)
 
@@ -167,10 +191,8 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                      help="export floating tensors in this dtype (default: the source's, per tensor)")
     m2h.add_argument("--max-shard-size", type=_size, default=_size("5GB"), metavar="SIZE",
                      help="largest safetensors shard (default 5GB)")
-    m2h.add_argument("--verify-checksums", action="store_true",
-                     help="check every file's SHA-256 against the manifest first (reads the checkpoint once more)")
-    m2h.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (atomically, at the end)")
-    m2h.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    _add_checksum_flag(m2h)
+    _add_output_flags(m2h)
     _add_layout(m2h)
     m2h.set_defaults(func=_run_mcore_to_hf)
 
@@ -183,14 +205,19 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     ver.add_argument("--mcore", required=True, metavar="DIR", help="mcore checkpoint directory")
     ver.add_argument("--prompt", default=None, help="text to run (default: a fixed chat exchange)")
     ver.add_argument("--tolerance", type=float, default=1e-4, help="max-abs difference accepted (default 1e-4)")
+    _add_checksum_flag(ver)
+    _add_log_flag(ver)
     _add_layout(ver)
     ver.set_defaults(func=_run_verify)
     return convert
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone `sao`-like entry (for tools/convert_*.py)."""
+    """Standalone `sao`-like entry (for tools/convert_*.py), with `sao`'s exit codes."""
     parser = argparse.ArgumentParser(prog="sao")
+    parser.add_argument("-v", "--verbose", action="store_true", help="third-party output on the terminal")
     add_convert_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_command(f"sao {args.command}", args.func, args, log_path_for(args))

@@ -101,7 +101,7 @@ def plan_hf_to_mcore(request: HfToMcoreRequest) -> HfToMcorePlan:
     role = request.role or ("critic" if source_is_critic else "actor")
     if role == "actor" and source_is_critic:
         raise ValueError(f"{source} is a critic checkpoint (value head, no LM head): convert it with --role critic")
-    check_output_dir(Path(request.out_dir), request.overwrite)
+    check_output_dir(Path(request.out_dir), request.overwrite, sources=(source,))
     with tempfile.TemporaryDirectory() as config_dir:
         (Path(config_dir) / "config.json").write_text(json.dumps(cf.causal_config(checkpoint.config)))
         expected = expected_hf_tensors(config_dir)
@@ -190,7 +190,8 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
     view_root = Path(tempfile.mkdtemp(prefix="sao-convert-view-"))
     try:
         if rank() == 0:
-            staged.create()
+            with disk_full_as_value_error(staged.tmp):
+                staged.create()
         barrier()
         view = cf.causal_view(plan.checkpoint.path, plan.checkpoint.config, view_root / "hf")
         config = conversion_config(view, request.layout, world_size(), plan.params_dtype, seed=request.seed,

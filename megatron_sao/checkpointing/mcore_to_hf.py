@@ -43,6 +43,7 @@ from megatron_sao.checkpointing.manifest import (
 from megatron_sao.checkpointing.mcore_io import load_model, tensor_table
 from megatron_sao.checkpointing.model_setup import DTYPES, Layout, Role, build_for_conversion, conversion_config, unwrap
 from megatron_sao.checkpointing.output_dir import (
+    OUTPUT_MARKERS,
     StagedOutput,
     check_disk_space,
     check_output_dir,
@@ -52,6 +53,8 @@ from megatron_sao.checkpointing.output_dir import (
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from megatron_sao.models.bridge_compat import load_auto_bridge
+
+EXPORT_MARKER = OUTPUT_MARKERS[1]  # sao_export.json: marks an HF export that --overwrite may replace
 
 
 @dataclass(kw_only=True)
@@ -67,7 +70,9 @@ class McoreToHfRequest:
     """Export floating tensors in this dtype instead of the source's (e.g. bfloat16 after fp32 training)."""
     overwrite: bool = False
     max_shard_bytes: int = 5 * 10**9
-    verify_checksums: bool = False
+    verify_checksums: bool = True
+    """Check every file's SHA-256 against the manifest before loading (a flipped bit in a shard is
+    otherwise exported silently); costs one extra read of the checkpoint."""
     progress: bool = True
 
 
@@ -118,7 +123,7 @@ def plan_mcore_to_hf(request: McoreToHfRequest) -> McoreToHfPlan:
     role: Role = manifest.role if manifest else (request.role or ("critic" if cf.is_critic_config(config) else "actor"))
     if manifest and request.role and request.role != manifest.role:
         raise ValueError(f"{mcore} holds a {manifest.role} (manifest), not a {request.role}")
-    check_output_dir(Path(request.out_dir), request.overwrite)
+    check_output_dir(Path(request.out_dir), request.overwrite, sources=(mcore, request.hf_config_dir))
     params_dtype = DTYPES[manifest.params_dtype] if manifest else _stored_dtype(mcore)
     if request.dtype is not None and request.dtype not in DTYPES:
         raise ValueError(f"--dtype {request.dtype}: choose one of {', '.join(DTYPES)}")
@@ -176,10 +181,14 @@ class _Sink:
 
 
 def _copy_config_files(plan: McoreToHfPlan, tmp: Path) -> None:
-    """Tokenizer, generation config etc. of the config directory (never its weights or index)."""
+    """Tokenizer, generation config etc. of the config directory (never its weights or index),
+    and `sao_export.json`, which marks the directory as an export `--overwrite` may replace."""
     for entry in sorted(plan.config_dir.iterdir()):
-        if entry.is_file() and entry.name != "config.json" and not is_weight_file(entry.name):
+        if entry.is_file() and entry.name not in ("config.json", EXPORT_MARKER) and not is_weight_file(entry.name):
             shutil.copy2(entry, tmp / entry.name)
+    marker = {"source": str(Path(plan.request.mcore_dir).resolve()), "role": plan.role,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     if plan.role == "critic" and not cf.is_critic_config(plan.config):
         (tmp / "config.json").write_text(json.dumps(cf.critic_config(plan.config), indent=2) + "\n")
     else:
@@ -198,7 +207,8 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
     sink = None
     try:
         if rank() == 0:
-            staged.create()
+            with disk_full_as_value_error(staged.tmp):
+                staged.create()
         barrier()
         view = cf.causal_view(plan.config_dir, plan.config, view_root / "hf")
         config = conversion_config(view, request.layout, get_world_size(), plan.params_dtype)

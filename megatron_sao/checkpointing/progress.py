@@ -7,11 +7,11 @@ tensor sizes span six orders of magnitude, so bytes are shown too. Non-zero rank
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from megatron_sao.checkpointing.console import console_err
 from megatron_sao.checkpointing.output_dir import human_bytes
 
 
@@ -21,7 +21,7 @@ class Progress:
     total_tensors: int
     total_bytes: int
     enabled: bool = True
-    stream: TextIO = field(default_factory=lambda: sys.stderr)
+    stream: TextIO = field(default_factory=console_err)
     min_interval_s: float = 0.25
     tensors: int = 0
     nbytes: int = 0

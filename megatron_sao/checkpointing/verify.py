@@ -33,6 +33,8 @@ class VerifyRequest:
     layout: Layout = field(default_factory=Layout)
     prompt: str = DEFAULT_PROMPT
     max_tokens: int = 64
+    verify_checksums: bool = True
+    """Check the mcore checkpoint's files against the manifest's SHA-256 sums before loading."""
 
 
 @dataclass(kw_only=True)
@@ -124,10 +126,11 @@ def hf_outputs(hf_dir: Path, tokens_bt: torch.Tensor) -> tuple[Role, torch.Tenso
         return "critic", torch.nn.functional.linear(hidden, head[cf.VALUE_WEIGHT], head.get(cf.VALUE_BIAS))
 
 
-def mcore_outputs(mcore_dir: Path, tokens_bt: torch.Tensor, layout: Layout) -> tuple[Role, torch.Tensor]:
+def mcore_outputs(mcore_dir: Path, tokens_bt: torch.Tensor, layout: Layout,
+                  verify_checksums: bool = True) -> tuple[Role, torch.Tensor]:
     """Collective: build the checkpoint's model in float32 in `layout`, load it, run `tokens_bt`."""
     manifest = read_manifest(mcore_dir)
-    check_files(mcore_dir, manifest, verify_hashes=False)
+    check_files(mcore_dir, manifest, verify_hashes=verify_checksums)
     with tempfile.TemporaryDirectory() as tmp:
         view = cf.causal_view(mcore_dir / HF_DIR, read_config(mcore_dir / HF_DIR), Path(tmp) / "hf")
         config = conversion_config(view, layout, world_size(), torch.float32)
@@ -139,7 +142,7 @@ def mcore_outputs(mcore_dir: Path, tokens_bt: torch.Tensor, layout: Layout) -> t
 def verify(request: VerifyRequest) -> VerifyResult:
     """Collective: compare HF and Megatron outputs; the result is the same on every rank."""
     tokens = prompt_token_ids(Path(request.hf_dir), request.prompt, request.max_tokens)
-    role, megatron = mcore_outputs(Path(request.mcore_dir), tokens, request.layout)
+    role, megatron = mcore_outputs(Path(request.mcore_dir), tokens, request.layout, request.verify_checksums)
     result, errors = None, []
     if rank() == 0:
         hf_role, reference = hf_outputs(Path(request.hf_dir), tokens)

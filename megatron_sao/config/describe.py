@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 from functools import cache
 from typing import Any, get_type_hints
@@ -60,5 +61,11 @@ def describe(section: str | None = None) -> str:
 
     walk(SaoConfig, "", SaoConfig())
     if not lines:
-        raise ValueError(f"no config key or section {section!r}")
+        from megatron_sao.config.loader import ConfigError, _all_keys
+
+        keys = _all_keys(SaoConfig)
+        close = difflib.get_close_matches(section or "", keys, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else \
+            f"; sections: {', '.join(k for k in keys if '.' not in k)}"
+        raise ConfigError(f"no config key or section {section!r}{hint}")
     return "\n".join(lines)

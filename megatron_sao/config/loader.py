@@ -8,8 +8,10 @@ values it overrides, so one YAML per model x task x cluster stays short.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -55,12 +57,13 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-def _coerce(value: Any, hint: Any, key: str, source: str, raw_text: str | None) -> Any:
+def _coerce(value: Any, hint: Any, key: str, source: str, raw_text: str | None, yaml_error: str = "") -> Any:
     """Return `value` as type `hint`, or raise ConfigError naming `key` and `source`."""
 
     def fail(expected: str) -> ConfigError:
         shown = raw_text if raw_text is not None else repr(value)
-        return ConfigError(f"{key}: expected {expected}, got {shown} (from {source})")
+        why = f"; the value is not valid YAML ({yaml_error}), so it was read as a plain string" if yaml_error else ""
+        return ConfigError(f"{key}: expected {expected}, got {shown} (from {source}){why}")
 
     origin = get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -70,7 +73,7 @@ def _coerce(value: Any, hint: Any, key: str, source: str, raw_text: str | None) 
         errors = []
         for option in (o for o in options if o is not type(None)):
             try:
-                return _coerce(value, option, key, source, raw_text)
+                return _coerce(value, option, key, source, raw_text, yaml_error)
             except ConfigError as e:
                 errors.append(e)
         raise fail(" or ".join(_type_name(o) for o in options)) from errors[-1]
@@ -89,14 +92,17 @@ def _coerce(value: Any, hint: Any, key: str, source: str, raw_text: str | None) 
             return value
         raise fail("an integer")
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads `1e-6` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise fail("a number")
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads `1e-6` (no dot) as a string
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise fail("a number")
+        if not math.isfinite(number):  # NaN / inf pass every `<` check downstream: refuse them here
+            raise fail("a finite number")
+        return number
     if hint is str:
         if isinstance(value, str):
             return value
@@ -107,7 +113,7 @@ def _coerce(value: Any, hint: Any, key: str, source: str, raw_text: str | None) 
         (item_hint,) = get_args(hint)
         if not isinstance(value, list):
             raise fail(f"a list of {_type_name(item_hint)}")
-        return [_coerce(v, item_hint, f"{key}[{i}]", source, None) for i, v in enumerate(value)]
+        return [_coerce(v, item_hint, f"{key}[{i}]", source, None, yaml_error) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise fail("a mapping")
@@ -117,7 +123,8 @@ def _coerce(value: Any, hint: Any, key: str, source: str, raw_text: str | None) 
     raise AssertionError(f"unsupported config type {hint!r} for {key}")
 
 
-def _build(cls: type, data: dict[str, Any], sources: dict[str, str], raw: dict[str, str], prefix: str):
+def _build(cls: type, data: dict[str, Any], sources: dict[str, str], raw: dict[str, str], prefix: str,
+           yaml_errors: dict[str, str]):
     hints = get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
@@ -131,9 +138,10 @@ def _build(cls: type, data: dict[str, Any], sources: dict[str, str], raw: dict[s
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: expected a mapping of {hint.__name__} fields "
                                   f"(from {sources.get(key, COMMAND_LINE)})")
-            kwargs[name] = _build(hint, value, sources, raw, key + ".")
+            kwargs[name] = _build(hint, value, sources, raw, key + ".", yaml_errors)
         else:
-            kwargs[name] = _coerce(value, hint, key, sources.get(key, COMMAND_LINE), raw.get(key))
+            kwargs[name] = _coerce(value, hint, key, sources.get(key, COMMAND_LINE), raw.get(key),
+                                   yaml_errors.get(key, ""))
     return cls(**kwargs)
 
 
@@ -157,9 +165,14 @@ def _read_recipe(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = (
     if path in seen:
         raise ConfigError(f"{path}: recipe `base:` chain loops back to itself")
     if not path.is_file():
-        raise ConfigError(f"recipe file not found: {path}")
+        referrer = f" (the `base:` of {seen[-1]})" if seen else ""
+        raise ConfigError(f"recipe file not found: {path}{referrer}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the recipe as UTF-8") from e
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(data, dict):
@@ -173,27 +186,39 @@ def _read_recipe(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = (
 
 
 def parse_override(text: str) -> tuple[str, Any, str]:
-    """`a.b=value` -> (`a.b`, YAML-parsed value, raw value text)."""
+    """`a.b=value` -> (`a.b`, YAML-parsed value, raw value text). A value that is not valid YAML
+    is kept as its raw text (a string field takes it verbatim); see `_parse_override`."""
+    key, value, raw_value, _ = _parse_override(text)
+    return key, value, raw_value
+
+
+def _parse_override(text: str) -> tuple[str, Any, str, str]:
+    """`parse_override` plus the YAML error of the value ('' when it parsed)."""
     key, sep, raw_value = text.partition("=")
     key = key.strip().lstrip("-")
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form section.key=value")
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else ""
-    except yaml.YAMLError:
-        value = raw_value
-    return key, value, raw_value
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        return key, raw_value, raw_value, str(problem)
+    return key, value, raw_value, ""
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SaoConfig:
     """Load `recipe` (YAML), apply `overrides` (`section.key=value`), type-check and validate."""
+    from megatron_sao.config.ranges import validate_names, validate_numbers
     from megatron_sao.config.validate import validate_config
 
     sources: dict[str, str] = {}
     data = _read_recipe(Path(recipe), sources) if recipe is not None else {}
     raw: dict[str, str] = {}
+    yaml_errors: dict[str, str] = {}
     for text in overrides:
-        key, value, raw_value = parse_override(text)
+        key, value, raw_value, yaml_error = _parse_override(text)
+        if yaml_error:
+            yaml_errors[key] = yaml_error
         node = data
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -210,8 +235,13 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
         source = sources.get(key, COMMAND_LINE)
         if isinstance(value, str) and value and source != COMMAND_LINE and not Path(value).is_absolute():
             data[section][name] = str((Path(source).parent / value).resolve())
-    config = _build(SaoConfig, data, sources, raw, "")
-    validate_config(config, source=str(recipe) if recipe is not None else COMMAND_LINE)
+    config = _build(SaoConfig, data, sources, raw, "", yaml_errors)
+    validate_names(config, sources)
+    validate_numbers(config, sources)
+    where = str(recipe) if recipe is not None else COMMAND_LINE
+    if raw and recipe is not None:  # cross-field checks cannot tell which side a value came from: say both
+        where += f" with command-line overrides of {', '.join(sorted(raw))}"
+    validate_config(config, source=where)
     return config
 
 

@@ -16,14 +16,19 @@ are SGLang's own, so the same calls drive a real SGLang server and the CPU engin
   `/init_weights_update_group`, `/update_weights_from_distributed`,
   `/destroy_weights_update_group`, `/update_weight_version`.
 
-Errors: an engine that cannot be reached, drops the connection or answers 503 raises
-`EngineUnavailableError` (the caller may retry elsewhere: the engine crashed or is restarting);
-any other error status raises `EngineError` with the engine's message.
+Errors: an engine that cannot be reached, drops the connection, answers 503 or does not answer
+within the read timeout raises `EngineUnavailableError` (the caller may retry elsewhere: the engine
+crashed, hangs or is restarting); any other error status raises `EngineError` with the engine's
+message. Every call has finite timeouts: connecting (10 s), control calls (60 s between bytes) and
+`/generate` and weight updates (an hour: a non-streamed answer arrives only when the whole generation is done, and
+a long agentic turn on a loaded engine can take many minutes). A health monitor (`health_generate`,
+its own short timeout) is what notices a hung engine early.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -59,13 +64,23 @@ class EngineClient:
     def __init__(
         self,
         base_url: str,
-        timeout_s: float | None = None,
+        timeout_s: float = 60.0,
         connect_timeout_s: float = 10.0,
         max_connections: int = 1024,
         api_key: str | None = None,
+        generate_timeout_s: float = 3600.0,
     ) -> None:
+        """`timeout_s`: read / write / pool timeout of control calls; `generate_timeout_s`: read
+        timeout of `/generate` (the whole generation); `connect_timeout_s`: connecting."""
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
+                            ("generate_timeout_s", generate_timeout_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"EngineClient {name} must be a finite number > 0, got {value!r}")
         self.base_url = base_url.rstrip("/")
+        self.timeouts = {"connect": float(connect_timeout_s), "read": float(timeout_s),
+                         "generate_read": float(generate_timeout_s)}
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._generate_timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, read=generate_timeout_s)
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
@@ -89,7 +104,7 @@ class EngineClient:
         self._client = None
 
     async def _request(
-        self, method: str, path: str, json: Any = None, timeout_s: float | None = None
+        self, method: str, path: str, json: Any = None, timeout_s: float | httpx.Timeout | None = None
     ) -> httpx.Response:
         kwargs: dict[str, Any] = {}
         if json is not None:
@@ -106,13 +121,17 @@ class EngineClient:
             raise error(self.base_url, f"{method} {path}: {message}", response.status_code)
         return response
 
-    async def _post_json(self, path: str, payload: dict[str, Any] | None = None) -> Any:
-        response = await self._request("POST", path, json=payload or {})
+    async def _post_json(
+        self, path: str, payload: dict[str, Any] | None = None, timeout: httpx.Timeout | None = None
+    ) -> Any:
+        response = await self._request("POST", path, json=payload or {}, timeout_s=timeout)
         return response.json() if response.content else None
 
     async def _post_update(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """Weight endpoints answer `{"success", "message"}` (400 on failure)."""
-        result = await self._post_json(path, {k: v for k, v in payload.items() if v is not None})
+        # Weight updates of a large model (a disk read, a group join, a broadcast) take minutes.
+        result = await self._post_json(path, {k: v for k, v in payload.items() if v is not None},
+                                       timeout=self._generate_timeout)
         if not isinstance(result, dict) or not result.get("success", False):
             raise EngineError(self.base_url, f"POST {path} did not succeed: {result}")
         return result
@@ -137,10 +156,13 @@ class EngineClient:
         }
         if rid is not None:
             payload["rid"] = rid
-        data = await self._post_json("/generate", payload)
+        data = await self._post_json("/generate", payload, timeout=self._generate_timeout)
         if not isinstance(data, dict):
             raise EngineError(self.base_url, f"unexpected /generate answer: {str(data)[:200]}")
-        return GenerateOutput.from_response(data)
+        try:
+            return GenerateOutput.from_response(data)
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # a malformed answer is the engine's error
+            raise EngineError(self.base_url, f"malformed /generate answer ({e!r}): {str(data)[:200]}") from e
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort requests whose id starts with `rid` (SGLang's prefix match), or all of them.

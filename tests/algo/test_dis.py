@@ -188,3 +188,14 @@ def test_nan_ratio_is_not_kept() -> None:
     loss.backward()
     assert loss.item() == 0.0 and logprobs.grad.tolist() == [[0.0, -0.5]]
     assert stats["num_masked_low"] == 0.0 and stats["num_masked_high"] == 0.0
+
+
+def test_advantages_are_detached() -> None:
+    """Advantages that carry gradient (a critic's output) must get none from the policy loss:
+    only `logprobs` is differentiated."""
+    batch = _batch(torch.float64)
+    batch["advantages"] = batch["advantages"].clone().requires_grad_()
+    loss, _ = dis_policy_loss(**batch)
+    loss.backward()
+    assert batch["advantages"].grad is None or torch.count_nonzero(batch["advantages"].grad) == 0
+    assert batch["logprobs"].grad is not None and torch.count_nonzero(batch["logprobs"].grad) > 0

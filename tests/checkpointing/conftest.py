@@ -41,12 +41,12 @@ def family_checkpoints(tiny_root: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every family through every layout (+ critic and training-load checks on Qwen3-MoE), 2 ranks."""
+    """Every family through every layout and the critic chain (+ training-load checks on Qwen3-MoE), 2 ranks."""
     work = tmp_path_factory.mktemp("conversions")
     cases = [
         FamilyCase(name=family, hf_dir=path, work=work / family, layouts=ROUND_TRIP_LAYOUTS,
                    verify_layouts=[Layout(), Layout(tp=2)] if family == "qwen3_moe" else [Layout()],
-                   critic=family == "qwen3_moe", training_load=family == "qwen3_moe")
+                   critic=True, training_load=family == "qwen3_moe")
         for family, path in family_checkpoints.items()
     ]
     results = run_distributed(run_families, 2, cases, timeout_s=900)[0]

@@ -53,6 +53,9 @@ class ModelRunner:
                 continue
             eos.update([int(ids)] if isinstance(ids, int) else (int(i) for i in ids))  # type: ignore[union-attr]
         self.eos_token_ids = frozenset(eos)
+        # Longest vocabulary entry in characters (byte-level BPE entries have one character per byte,
+        # so this bounds the characters any one token can stand for): sizes the text-prompt limit.
+        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
 
     @torch.inference_mode()
     def prefill(self, sequences: Sequence[list[int]]) -> tuple[RowKVCache, torch.Tensor]:

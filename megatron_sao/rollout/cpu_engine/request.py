@@ -22,6 +22,7 @@ class EngineRequest:
     return_text_in_logprobs: bool = False
     generator: torch.Generator | None = None  # set when the request carries a sampling_seed
     stop_window: int = 0  # tokens to decode when looking for a stop string
+    failures: int = 0  # failed decode steps this request was in (scheduler._retract_after_failure)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     version_spans: list[list[Any]] = field(default_factory=list)  # [version, start, end)

@@ -19,48 +19,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from megatron_sao.rollout.cpu_engine.batching import SchedulerStats, length_groups
 from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
 from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.cpu_engine.request import EngineRequest, abort_reason
-from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams, sample_tokens
+from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams, sample_rows_isolated
 from megatron_sao.rollout.cpu_engine.weights import HFWeightMap
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PauseMode = Literal["abort", "retract", "in_place"]
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_steps: int = 0
-    num_prefills: int = 0
-    generated_tokens: int = 0
-    prefill_tokens: int = 0
-    finished_requests: int = 0
-    aborted_requests: int = 0
-
-
-def _length_groups(requests: list[EngineRequest], max_waste: float = 0.5) -> list[list[EngineRequest]]:
-    """Split length-sorted requests into prefill groups whose left padding wastes at most
-    `max_waste` of the group's tokens."""
-    groups: list[list[EngineRequest]] = []
-    current: list[EngineRequest] = []
-    total = 0
-    for req in requests:
-        n = len(req.input_ids) + len(req.output_ids)
-        if current and n * (len(current) + 1) > (1.0 + max_waste) * (total + n) + 64:
-            groups.append(current)
-            current, total = [], 0
-        current.append(req)
-        total += n
-    if current:
-        groups.append(current)
-    return groups
 
 
 class Scheduler:
@@ -87,6 +59,7 @@ class Scheduler:
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
+        self._admitting: list[EngineRequest] = []
         self._cache: RowKVCache | None = None
         self._positions = torch.zeros(0, dtype=torch.long)  # [B] position of each row's pending token
         self._pending = torch.zeros(0, dtype=torch.long)  # [B] last sampled token, not yet cached
@@ -95,18 +68,24 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
         self.last_progress = time.monotonic()
+        self.step_started = self.last_progress
 
     # ---- thread-safe API ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
 
+    def request_stop(self) -> None:
+        """Ask the loop to stop after its current step (safe from a signal handler: no waiting).
+        The loop then fails every request it holds, so no caller waits for an answer forever."""
+        self._stop.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._thread.join(timeout)
-        error = RuntimeError("the CPU engine is shutting down")
-        for req in [*self._waiting, *self._running]:
-            req.fail(error)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._fail_everything()
 
     @property
     def alive(self) -> bool:
@@ -189,10 +168,14 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not self._waiting and not self._running
 
-    def busy_and_progressing(self, within_s: float) -> bool:
-        """Work in flight and a step finished within `within_s` (read from other threads: a
-        stale answer is harmless, it only decides whether a health probe must be queued)."""
-        return bool(self._waiting or self._running) and time.monotonic() - self.last_progress < within_s
+    def busy(self) -> bool:
+        """Work in flight (read from other threads: a stale answer is harmless, it only decides
+        whether a health probe must be queued)."""
+        return bool(self._waiting or self._running or self._admitting)
+
+    def stepping_within(self, within_s: float) -> bool:
+        """A step finished, or the current one started, within `within_s`: the loop is not stuck."""
+        return time.monotonic() - max(self.last_progress, self.step_started) < within_s
 
     def load(self) -> dict[str, int]:
         return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
@@ -200,22 +183,57 @@ class Scheduler:
     # ---- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            has_work = not self.paused and bool(self._waiting or self._running)
-            self._drain_commands(block=not has_work)
-            if self.paused or not (self._waiting or self._running):
-                continue
-            try:
+        try:
+            while not self._stop.is_set():
+                has_work = not self.paused and bool(self._waiting or self._running)
+                self._drain_commands(block=not has_work)
+                if self._stop.is_set() or self.paused or not (self._waiting or self._running):
+                    continue
+                self.step_started = time.monotonic()
                 self._admit()
                 if self._running:
-                    self._decode_step()
+                    try:
+                        self._decode_step()
+                    except Exception as e:  # the batch's cache is suspect: recompute the rows
+                        self._retract_after_failure(e)
                 self.last_progress = time.monotonic()
-            except Exception as e:  # a model error must not take the server down with it
-                logger.exception("CPU engine step failed; aborting all requests")
-                for req in [*self._waiting, *self._running]:
-                    self._finish(req, abort_reason(f"engine error: {e!r}", status_code=500))
-                self._waiting.clear()
-                self._keep_rows([])
+        finally:
+            self._fail_everything()
+
+    def _fail_everything(self) -> None:
+        """Answer every request still held or queued (the loop has ended)."""
+        error = RuntimeError("the CPU engine is shutting down")
+        for req in [*self._waiting, *self._running, *self._admitting]:
+            req.fail(error)
+        self._waiting.clear()
+        self._running, self._admitting = [], []
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+
+    def _fail_request(self, req: EngineRequest, error: BaseException) -> None:
+        """Finish one request with an abort answer that says why; the others carry on."""
+        logger.error("CPU engine: request %s failed: %r", req.rid, error)
+        self._finish(req, abort_reason(f"engine error while serving this request: {error!r}", status_code=500))
+        self.stats.failed_requests += 1
+
+    def _retract_after_failure(self, error: Exception) -> None:
+        """A decode step failed: its rows go back to the waiting queue (their output so far is kept
+        and re-prefilled). A request in two failed steps is failed alone, so a request that breaks
+        every batch it joins cannot keep the others from finishing."""
+        logger.exception("CPU engine decode step failed; re-prefilling its %d rows", len(self._running))
+        rows = list(self._running)
+        self._keep_rows([])
+        for req in reversed(rows):
+            req.failures += 1
+            if req.failures >= 2:
+                self._fail_request(req, error)
+            else:
+                self._waiting.appendleft(req)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -247,8 +265,27 @@ class Scheduler:
         if not chosen:
             return
         chosen.sort(key=lambda r: len(r.input_ids) + len(r.output_ids))
-        for group in _length_groups(chosen):
+        self._admitting = chosen  # in no queue while prefilled: _fail_everything must still see them
+        for group in length_groups(chosen):
+            self._prefill_isolated(group)
+        self._admitting = []
+
+    def _prefill_isolated(self, group: list[EngineRequest]) -> None:
+        """Prefill `group`; if that fails, prefill each request alone, failing only the ones that
+        fail alone (each prefill builds its own cache, so a failed one leaves nothing behind)."""
+        try:
             self._prefill(group)
+            return
+        except Exception as e:
+            if len(group) == 1:
+                self._fail_request(group[0], e)
+                return
+            logger.warning("CPU engine prefill of %d requests failed (%r); retrying them one by one", len(group), e)
+        for req in group:
+            try:
+                self._prefill([req])
+            except Exception as e:
+                self._fail_request(req, e)
 
     def _prefill(self, group: list[EngineRequest]) -> None:
         sequences = [r.input_ids + r.output_ids for r in group]
@@ -256,10 +293,8 @@ class Scheduler:
         self.stats.num_prefills += 1
         self.stats.prefill_tokens += sum(len(s) for s in sequences)
         params = BatchSamplingParams.build([r.sampling for r in group])
-        tokens, logprobs = sample_tokens(
-            logits, params, [r.generator for r in group], self.global_generator, self.return_original_logprob
-        )
-        keep = self._append_and_check(group, tokens.tolist(), logprobs.tolist())
+        tokens, logprobs = self._sample(logits, params, group)
+        keep = self._append_and_check(group, tokens, logprobs)
         if not keep:
             return
         if len(keep) < len(group):
@@ -281,26 +316,34 @@ class Scheduler:
         self._positions = self._positions + 1
         if self._params is None:
             self._params = BatchSamplingParams.build([r.sampling for r in self._running])
-        tokens, logprobs = sample_tokens(
-            logits,
-            self._params,
-            [r.generator for r in self._running],
-            self.global_generator,
-            self.return_original_logprob,
-        )
+        tokens, logprobs = self._sample(logits, self._params, self._running)
         self.stats.num_steps += 1
         self._pending = tokens
-        keep = self._append_and_check(self._running, tokens.tolist(), logprobs.tolist())
+        keep = self._append_and_check(self._running, tokens, logprobs)
         if len(keep) < len(self._running):
             self._keep_rows(keep)
 
-    def _append_and_check(self, requests: list[EngineRequest], tokens: list[int], logprobs: list[float]) -> list[int]:
-        """Record one sampled token per request; finish the ones that are done. Returns the
-        indices of the requests that continue."""
+    def _sample(
+        self, logits: torch.Tensor, params: BatchSamplingParams, requests: list[EngineRequest]
+    ) -> tuple[torch.Tensor, list[float | BaseException]]:
+        return sample_rows_isolated(
+            logits, params, [r.sampling for r in requests], [r.generator for r in requests],
+            self.global_generator, self.return_original_logprob,
+        )
+
+    def _append_and_check(
+        self, requests: list[EngineRequest], tokens: torch.Tensor, logprobs: list[float | BaseException]
+    ) -> list[int]:
+        """Record one sampled token per request; finish the ones that are done (or failed).
+        Returns the indices of the requests that continue."""
         keep = []
         version = self.weight_version
+        token_list = tokens.tolist()
         for i, req in enumerate(requests):
-            req.append(tokens[i], logprobs[i], version)
+            if isinstance(logprobs[i], BaseException):
+                self._fail_request(req, logprobs[i])  # type: ignore[arg-type]
+                continue
+            req.append(token_list[i], logprobs[i], version)  # type: ignore[arg-type]
             reason = self._finish_reason(req)
             if reason is None:
                 keep.append(i)

@@ -3,7 +3,9 @@
 Endpoints, request bodies and response shapes follow SGLang's `http_server.py` and
 `io_struct.py` (sglang 0.5.x); see docs/rollout.md for the list and for the differences (no
 streaming, no prompt log-probs, no prefix cache, tensor payloads in safetensors form). Errors
-come back as SGLang's `{"error": {"message": ...}}` with status 400.
+come back as SGLang's `{"error": {"message": ...}}`: 400 bad input, 413 too large, 503 stopping
+(http_io.py). `/generate` bodies are parsed, tokenised and answered on one worker thread, off the
+event loop, so health checks answer while a large request is read.
 """
 
 from __future__ import annotations
@@ -12,21 +14,31 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from megatron_sao.rollout.cpu_engine.http_io import (
+    EngineStopping,
+    error_response,
+    json_object_body,
+    read_json_body,
+    register_error_handlers,
+)
 from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner, parse_dtype
-from megatron_sao.rollout.cpu_engine.protocol import build_output, parse_generate
+from megatron_sao.rollout.cpu_engine.protocol import PromptLimits, build_output, parse_generate
 from megatron_sao.rollout.cpu_engine.request import EngineRequest
 from megatron_sao.rollout.cpu_engine.sampling import SamplingConfig
 from megatron_sao.rollout.cpu_engine.scheduler import Scheduler
 from megatron_sao.rollout.cpu_engine.weight_routes import register_weight_routes
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 
 
@@ -54,6 +66,8 @@ class CPUEngineConfig:
     """Seed of the sampler used by requests without their own sampling_seed."""
     return_original_logprob: bool = False
     """Return temperature-1 log-probs (SGLang: SGLANG_RETURN_ORIGINAL_LOGPROB=1)."""
+    max_request_bytes: int = 64 * 1024 * 1024
+    """Largest request body read (413 beyond): bounds the memory and parse time of one request."""
 
 
 class CPUEngine:
@@ -74,26 +88,22 @@ class CPUEngine:
         )
         self.groups: dict[str, Any] = {}
         self.started_at = time.time()
+        self.limits = PromptLimits(
+            context_length=self.runner.context_length,
+            vocab_size=self.runner.vocab_size,
+            max_prompt_chars=self.runner.context_length * self.runner.max_token_chars,
+        )
+        # Request parsing (JSON, tokenisation) and answer building (detokenisation) run here, off
+        # the event loop, so a large request cannot stall health checks; one worker keeps the
+        # tokenizer single-threaded.
+        self.io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-engine-io")
 
     def start(self) -> None:
         self.scheduler.start()
 
     def stop(self) -> None:
         self.scheduler.stop()
-
-
-def _error(message: str, status_code: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status_code)
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    body = await request.body()
-    if not body:
-        return {}
-    data = await request.json()
-    if not isinstance(data, dict):
-        raise ValueError("the request body must be a JSON object")
-    return data
+        self.io_pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _await_requests(requests: list[EngineRequest], engine: CPUEngine, http: Request) -> None:
@@ -112,38 +122,48 @@ async def _await_requests(requests: list[EngineRequest], engine: CPUEngine, http
 
 def create_app(engine: CPUEngine) -> FastAPI:
     app = FastAPI(title="megatron-sao CPU engine")
+    register_error_handlers(app)
     sched = engine.scheduler
     tok = engine.runner.tokenizer
 
     async def on_scheduler(fn):
         return await asyncio.wrap_future(sched.call(fn))
 
+    async def off_loop(fn: Callable[[], T]) -> T:
+        if not sched.alive:
+            raise EngineStopping("the CPU engine is shutting down")
+        return await asyncio.get_running_loop().run_in_executor(engine.io_pool, fn)
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(http: Request):
-        try:
-            parsed = parse_generate(await _json(http), tok, engine.runner.context_length, engine.runner.vocab_size)
-        except ValueError as e:
-            return _error(str(e))
+        body = await read_json_body(http, engine.config.max_request_bytes, off_loop)
+        parsed = await off_loop(lambda: parse_generate(body, tok, engine.limits))
+        if not sched.alive:
+            raise EngineStopping("the CPU engine is shutting down")
         for req in parsed.requests:
             sched.submit(req)
         try:
             await _await_requests(parsed.requests, engine, http)
         except ValueError as e:  # e.g. a duplicate rid, refused on the scheduler thread
-            return _error(str(e))
-        outs = [build_output(r, tok, sched.weight_version) for r in parsed.requests]
+            return error_response(str(e))
+        except RuntimeError as e:  # the engine stopped while the request was in flight
+            return error_response(str(e), 503)
+        outs = await off_loop(lambda: [build_output(r, tok, sched.weight_version) for r in parsed.requests])
         return JSONResponse(outs if parsed.is_batch else outs[0])
 
     @app.get("/health")
     @app.get("/health_generate")
     async def health_generate():
+        """Answers at once under load: a busy engine is healthy while its steps keep finishing
+        (SGLang too answers from recent progress); only an idle engine runs a one-token probe."""
         if not sched.alive:
             return Response(status_code=503)
-        if sched.busy_and_progressing(within_s=5.0):  # SGLang too answers from recent progress
-            return Response(status_code=200)
+        if sched.busy():
+            return Response(status_code=200 if sched.stepping_within(HEALTH_CHECK_TIMEOUT_S) else 503)
         if sched.paused:  # SGLang's probe would queue behind the pause; liveness is what we can say
             try:
                 await asyncio.wait_for(on_scheduler(lambda: None), HEALTH_CHECK_TIMEOUT_S)
-            except TimeoutError:
+            except (TimeoutError, RuntimeError):
                 return Response(status_code=503)
             return Response(status_code=200)
         probe = EngineRequest(
@@ -158,7 +178,8 @@ def create_app(engine: CPUEngine) -> FastAPI:
         except (TimeoutError, RuntimeError, ValueError):
             sched.call(lambda: sched.abort(rid=probe.rid, exact=True))
             return Response(status_code=503)
-        return Response(status_code=200)
+        failed = (probe.finish_reason or {}).get("status_code") == 500
+        return Response(status_code=503 if failed else 200)
 
     @app.get("/get_model_info")
     async def get_model_info():
@@ -190,20 +211,21 @@ def create_app(engine: CPUEngine) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(http: Request):
-        try:
-            body = await _json(http)
-            await on_scheduler(lambda: sched.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all"))))
-        except ValueError as e:
-            return _error(str(e))
+        body = await json_object_body(http)
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError(f"rid must be a string, got {rid!r:.60}")
+        if not isinstance(abort_all, bool):
+            raise ValueError(f"abort_all must be true or false, got {abort_all!r:.60}")
+        await on_scheduler(lambda: sched.abort(rid=rid, abort_all=abort_all))
         return Response(status_code=200)
 
     @app.post("/pause_generation")
     async def pause_generation(http: Request):
-        try:
-            body = await _json(http)
-            await on_scheduler(lambda: sched.pause(body.get("mode", "abort")))
-        except ValueError as e:
-            return _error(str(e))
+        mode = (await json_object_body(http)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r:.60}")
+        await on_scheduler(lambda: sched.pause(mode))
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
@@ -241,7 +263,8 @@ class ServerThread:
 
         self.engine = CPUEngine(config)
         self.app = create_app(self.engine)
-        uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning", lifespan="off")
+        uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning", lifespan="off",
+                                   timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(uv_config)
         self._thread = threading.Thread(target=self.server.run, name="cpu-engine-http", daemon=True)
         self.url = f"http://{config.host}:{config.port}"
@@ -258,6 +281,7 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        self.engine.scheduler.request_stop()  # in-flight requests are answered (503) before the server goes
         self.server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout=10)

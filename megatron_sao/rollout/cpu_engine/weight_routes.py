@@ -115,7 +115,7 @@ def register_weight_routes(
                 name,
                 str(body.get("backend", "nccl")),
             )
-        except (KeyError, ValueError, NotImplementedError, RuntimeError) as e:
+        except (KeyError, TypeError, ValueError, NotImplementedError, RuntimeError) as e:  # mistyped fields: 400
             return _result(False, f"init_weights_update_group failed: {e}")
         engine.groups[name] = group
         return _result(True, "Succeeded to initialize custom process group.")
@@ -135,7 +135,7 @@ def register_weight_routes(
             buffers = [torch.empty(s, dtype=parse_dtype_name(d)) for d, s in zip(dtypes, shapes, strict=True)]
             named = dict(zip(names, buffers, strict=True))
             sched.weight_map.check(named)
-        except (KeyError, ValueError, NotImplementedError) as e:
+        except (KeyError, TypeError, ValueError, NotImplementedError) as e:  # mistyped fields: 400
             return _result(False, str(e))
 
         def receive() -> None:  # off the scheduler thread: generation goes on while bytes arrive
