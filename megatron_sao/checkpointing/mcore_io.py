@@ -63,9 +63,10 @@ def _retarget(key: str, param: str, target: str) -> str:
 
 
 def canonical_sharded_state_dict(chunk: torch.nn.Module) -> dict[str, Any]:
-    """`chunk.sharded_state_dict()` with norm keys named as under the Transformer Engine spec."""
-    state = chunk.sharded_state_dict()
+    """The sharded state of `chunk` (DDP / Float16Module wrappers looked through: their keys are
+    prefixed) with norm keys named as under the Transformer Engine spec."""
     model = unwrap(chunk)
+    state = model.sharded_state_dict()
     decoder = getattr(model, "decoder", None)
     if decoder is None:
         return state
