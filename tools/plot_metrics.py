@@ -4,7 +4,8 @@
     python tools/plot_metrics.py runs/tiny_cpu/metrics.jsonl            # default keys, RUN_DIR/metrics.png
 
 Reads `<run_dir>/metrics.jsonl` (one JSON object per line with `step`, as MetricsLogger writes
-it). Missing, null, non-numeric and non-finite values are skipped, not drawn as zeros; a key
+it) with `megatron_sao.reporting.metrics`, which `sao report` (every curve of a run, one HTML
+page) shares. Missing, null, non-numeric and non-finite values are skipped, not drawn as zeros; a key
 with no value at all gets an empty subplot saying so, so a typo is visible rather than silent.
 A resumed run may log a step twice; the later line wins (it is the one that continued). The
 title is the run name (`run.name` of `<run_dir>/config.yaml`, else the directory's name).
@@ -13,51 +14,14 @@ title is the run name (`run.name` of `<run_dir>/config.yaml`, else the directory
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
 
+from megatron_sao.reporting.metrics import read_metrics, run_name, series
+
+__all__ = ["DEFAULT_KEYS", "main", "plot", "read_metrics", "run_name", "series"]
+
 DEFAULT_KEYS = ("critic/explained_variance", "critic/value_loss", "actor/loss", "actor/entropy")
-
-
-def read_metrics(path: Path) -> dict[int, dict]:
-    """`{step: metrics}` from a metrics.jsonl; a repeated step keeps its last line."""
-    rows: dict[int, dict] = {}
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                step = int(row["step"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a metrics line with a 'step': {e}") from e
-            rows[step] = row
-    return dict(sorted(rows.items()))
-
-
-def series(rows: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `key`, leaving out steps where it is missing or not a finite number."""
-    steps, values = [], []
-    for step, row in rows.items():
-        value = row.get(key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            continue
-        steps.append(step)
-        values.append(float(value))
-    return steps, values
-
-
-def run_name(metrics_path: Path) -> str:
-    config = metrics_path.parent / "config.yaml"
-    if config.is_file():
-        import yaml
-
-        name = (yaml.safe_load(config.read_text()) or {}).get("run", {}).get("name")
-        if name:
-            return str(name)
-    return metrics_path.parent.resolve().name
 
 
 def plot(metrics_path: Path, keys: list[str], out: Path, title: str | None = None) -> Path:

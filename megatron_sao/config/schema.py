@@ -218,6 +218,21 @@ class SGLangConfig:
 
 
 @dataclass(kw_only=True)
+class WeightSyncConfig:
+    mode: Literal["tensor", "distributed", "disk"] = "tensor"
+    """How new actor weights reach the engines: tensors sent to each engine (colocated), a process
+    group between trainer rank 0 and the engines (disaggregated; NCCL on GPU, gloo on CPU), or
+    safetensors files the engines load (fallback)."""
+    bucket_mb: int = 512
+    """Weights travel in buckets of at most this many MiB (peak extra memory of a sync)."""
+    every_n_steps: int = 1
+    """Sync after every N actor updates (engines then sample from a policy up to N - 1 versions
+    old; DIS corrects for it)."""
+    checksum: bool = False
+    """Debugging: compare a checksum of the weights sent with what each engine loaded."""
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     engine: Literal["cpu", "sglang"] = "sglang"
     """Rollout engine: SGLang servers (GPU) or the project's CPU engine speaking SGLang's protocol."""
@@ -251,12 +266,28 @@ class RolloutConfig:
     """Where trajectories come from: rollout engines (the asynchronous pipeline), or a recorded
     file (`data.trajectories_path`, Parquet or JSONL of the trajectory record) read in file order
     without starting any engine."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Actor -> engine weight updates."""
     max_inflight_per_engine: int = 64
     """Trajectories generating concurrently on one engine."""
     tool_timeout_s: float = 10.0
     """Wall-clock limit of one sandboxed tool call (math_python's `timeout_s`)."""
     tool_memory_mb: int = 1024
     """Memory limit of one sandboxed tool call (math_python's `memory_mb`)."""
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    staleness_check: Literal["token", "trajectory"] = "token"
+    """Staleness of a trajectory: that of its oldest action token, or of its last one."""
+    stale_policy: Literal["drop", "keep"] = "drop"
+    """A trajectory staler than algorithm.max_staleness is dropped (counted), or kept and trained
+    on (counted; DIS masks its tokens whose ratio left the band)."""
+    max_buffered: int | None = None
+    """Back-pressure: no new prompt starts while the ready buffer holds this many trajectories
+    (None: 2 x data.batch_size)."""
+    distinct_prompts: bool = True
+    """A batch holds at most one trajectory (group) per prompt."""
 
 
 @dataclass(kw_only=True)
@@ -382,6 +413,7 @@ class SaoConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

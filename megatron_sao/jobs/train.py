@@ -1,15 +1,17 @@
-"""`sao train` / `sao sft`: the trainer on recorded trajectories, with checkpoints and exact resume.
+"""`sao train` / `sao sft`: the trainer on a trajectory source, with checkpoints and exact resume.
 
 The driver spawns the recipe's trainer ranks on this machine (gloo on CPU, NCCL on GPU), and
-each rank runs `train_rank`: build the trainer, restore the latest checkpoint if any, then one
-`train_step` per batch of `data.batch_size` recorded trajectories until `run.total_steps`,
-logging every step to `<run_dir>/metrics.jsonl` (and wandb) and checkpointing every
-`checkpoint.save_every` steps and at the end.
+each rank runs `train_rank`: build the trainer and the trajectory source, restore the latest
+checkpoint if any, then one `train_step` per batch of `data.batch_size` trajectories until
+`run.total_steps`, logging every step to `<run_dir>/metrics.jsonl` (and wandb) and
+checkpointing every `checkpoint.save_every` steps and at the end. The source is a recorded file
+(`rollout.source=recorded`, and always for SFT) or the rollout engines (`rollout.source=engine`:
+`pipeline/engine_source.py`, which also pushes each new actor version back to the engines).
 
 Stopping: SIGTERM or SIGINT (Slurm preemption, `scancel`, time limit with `--signal`, Ctrl-C)
-finishes the current step on every rank, writes a checkpoint and exits with code 143; the same
-command resumes from it. The rollout engines' source (`rollout.source=engine`) is the
-asynchronous pipeline's job (pipeline issue).
+finishes the current step on every rank, writes a checkpoint (with the source's state: data
+position, and for engines the buffered trajectories and unfinished prompts) and exits with code
+143; the same command resumes from it.
 """
 
 from __future__ import annotations
@@ -78,21 +80,16 @@ def _request_stop(signum: int, frame: Any) -> None:
 
 def train_rank(config: SaoConfig, run_dir: str, mode: Literal["rl", "sft"], resume_from: str | None) -> dict[str, Any]:
     """What every trainer rank runs; returns the last step's metrics and how the run ended."""
-    import torch
     import torch.distributed as dist
 
-    from megatron_sao.config.loader import config_to_dict
     from megatron_sao.platform import init_model_parallel
-    from megatron_sao.rollout.recorded import RecordedTrajectories
-    from megatron_sao.training.checkpoint import finalize_async_saves
     from megatron_sao.training.trainer import SaoTrainer
-    from megatron_sao.utils.run_logging import MetricsLogger
 
     signal.signal(signal.SIGTERM, _request_stop)
     signal.signal(signal.SIGINT, _request_stop)
     init_model_parallel(config.parallelism, seed=config.run.seed)
     trainer = SaoTrainer(config, mode=mode)
-    source = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size)
+    source = _make_source(config, Path(run_dir), mode)
     ckpt_dir = checkpoints_dir(config, Path(run_dir))
     resume_step = None
     if resume_from is not None:
@@ -101,8 +98,23 @@ def train_rank(config: SaoConfig, run_dir: str, mode: Literal["rl", "sft"], resu
         resume_step = trainer.state.step
     rank0 = dist.get_rank() == 0
     if rank0:
-        logger.info("%s: %d trajectories from %s (%s); steps %d -> %d", mode, len(source), source.path,
-                    source.report.summary(), trainer.state.step, config.run.total_steps)
+        logger.info("%s: %s; steps %d -> %d", mode, source.describe(), trainer.state.step, config.run.total_steps)
+    try:
+        return _loop(config, trainer, source, run_dir, ckpt_dir, resume_step, rank0)
+    finally:
+        source.close()
+
+
+def _loop(config: SaoConfig, trainer: Any, source: Any, run_dir: str, ckpt_dir: Path, resume_step: int | None,
+          rank0: bool) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_sao.config.loader import config_to_dict
+    from megatron_sao.training.checkpoint import finalize_async_saves
+    from megatron_sao.utils.run_logging import MetricsLogger
+
+    source.start(trainer)
 
     def save(final: bool = False) -> None:
         extra = {"data": source.state_dict(), "config": config_to_dict(config)}
@@ -114,8 +126,8 @@ def train_rank(config: SaoConfig, run_dir: str, mode: Literal["rl", "sft"], resu
     saved_step, stopped = resume_step, False
     with MetricsLogger(config, Path(run_dir), resume_step) if rank0 else contextlib.nullcontext() as metrics_log:
         while trainer.state.step < config.run.total_steps:
-            metrics = trainer.train_step(source.next_batch())
-            metrics["data/epoch"] = source.epoch
+            metrics = trainer.train_step(source.next_batch(trainer))
+            metrics.update(source.after_step(trainer))
             step = trainer.state.step
             if rank0:
                 if step % config.logging.log_every == 0 or step == config.run.total_steps:
@@ -136,8 +148,45 @@ def train_rank(config: SaoConfig, run_dir: str, mode: Literal["rl", "sft"], resu
         if saved_step != trainer.state.step:
             save(final=True)
         finalize_async_saves(blocking=True)
-    return {"step": trainer.state.step, "stopped": stopped, "metrics": metrics,
-            "skipped_rows": source.report.num_skipped}
+    return {"step": trainer.state.step, "stopped": stopped, "metrics": metrics}
+
+
+class _RecordedSource:
+    """A recorded trajectory file as the trainer loop's source (every rank reads the file)."""
+
+    def __init__(self, config: SaoConfig) -> None:
+        from megatron_sao.rollout.recorded import RecordedTrajectories
+
+        self.data = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size)
+
+    def describe(self) -> str:
+        return f"{len(self.data)} trajectories from {self.data.path} ({self.data.report.summary()})"
+
+    def start(self, trainer: Any) -> None:
+        pass
+
+    def next_batch(self, trainer: Any) -> list[Any]:
+        return self.data.next_batch()
+
+    def after_step(self, trainer: Any) -> dict[str, float]:
+        return {"data/epoch": self.data.epoch}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state)
+
+    def close(self) -> None:
+        pass
+
+
+def _make_source(config: SaoConfig, run_dir: Path, mode: str) -> Any:
+    if mode != "rl" or config.rollout.source == "recorded":
+        return _RecordedSource(config)
+    from megatron_sao.pipeline.engine_source import EngineSource
+
+    return EngineSource(config, run_dir)
 
 
 def _forward_to_children(signum: int, frame: Any) -> None:
@@ -156,12 +205,12 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
     from megatron_sao.utils.run_logging import prepare_run_dir, run_dir_of
 
     if mode == "rl" and config.rollout.source == "engine":
-        raise NotImplementedError("rollout.source=engine (trajectories streamed from rollout engines) is the "
-                                  "asynchronous pipeline, not built yet (pipeline issue); train on a recorded file "
-                                  "with rollout.source=recorded data.trajectories_path=FILE")
-    if not config.data.trajectories_path:
+        if not Path(config.data.train_path).is_file():
+            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
+                             "rolls out the prompts of data.train_path)")
+    elif not config.data.trajectories_path:
         raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
-    if not Path(config.data.trajectories_path).is_file():
+    elif not Path(config.data.trajectories_path).is_file():
         raise ValueError(f"data.trajectories_path={config.data.trajectories_path}: no such file")
     if config.launcher.kind != "local" or config.launcher.nnodes != 1:
         raise NotImplementedError("multi-node / Slurm launch is the Slurm-launchers issue; "

@@ -10,12 +10,13 @@ loses none and repeats none.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
 from typing import Any
 
+from megatron_sao.pipeline.buffer import GROUP_ID_KEY
 from megatron_sao.rollout.environment import PromptSample
 
 
@@ -53,6 +54,9 @@ class PromptStream(Iterator[PromptSample]):
             self._order = self._epoch_order(self.epoch)
         sample = self.samples[self._order[self.index // self.group_size]]
         self.index += 1
+        if self.group_size > 1:  # one group per draw, even when a prompt comes back next epoch
+            sample = dataclasses.replace(sample, metadata={**sample.metadata,
+                                                           GROUP_ID_KEY: f"{sample.prompt_id}@{self.epoch}"})
         return sample
 
     @property
@@ -62,7 +66,7 @@ class PromptStream(Iterator[PromptSample]):
     def state_dict(self, unfinished: Sequence[PromptSample] = ()) -> dict[str, Any]:
         """The position, plus `unfinished` prompts (started, not done) to hand out first on resume."""
         return {"epoch": self.epoch, "index": self.index, "num_samples": len(self.samples),
-                "pending": [asdict(s) for s in [*unfinished, *self.pending]]}
+                "pending": [dataclasses.asdict(s) for s in [*unfinished, *self.pending]]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != len(self.samples):

@@ -118,9 +118,10 @@ def test_run_directory_is_never_mixed(tmp_path, tiny_hf_dir, trajectories_file):
                                f"checkpoint.resume={tmp_path / 'nowhere'}"), tmp_path / "fresh")
 
 
-def test_engine_source_is_the_pipeline_issue(tmp_path, tiny_hf_dir, trajectories_file):
-    cfg = _config(tmp_path, tiny_hf_dir, trajectories_file, "engine", "rollout.source=engine")
-    with pytest.raises(NotImplementedError, match="pipeline"):
+def test_engine_source_needs_a_prompt_file(tmp_path, tiny_hf_dir, trajectories_file):
+    cfg = _config(tmp_path, tiny_hf_dir, trajectories_file, "engine", "rollout.source=engine",
+                  f"data.train_path={tmp_path / 'missing.jsonl'}")
+    with pytest.raises(ValueError, match="no such prompt file"):
         run_train(cfg)
 
 

@@ -1,0 +1,161 @@
+"""Megatron -> HuggingFace weight stream: the one place that turns live Megatron chunks into
+HF-named full tensors, used by weight sync into rollout engines and by `sao convert mcore-to-hf`.
+
+megatron-bridge does the work (`stream_weights_megatron_to_hf`): per HF tensor it gathers the
+Megatron shards across TP / PP / EP / ETP and converts names and layouts (QKV split, gate / up
+split, expert unstacking). It is collective: every rank of the model must run the stream to the
+end, in the same order, and every rank receives every full tensor. This module adds what both
+callers need on top:
+
+- a critic (`role="critic"`): the bridge knows causal LMs only, so the trunk streams from a
+  causal-LM view of the checkpoint directory without the LM-head task, and the value head is
+  appended as `score.weight` / `score.bias` (the critic HF format, `checkpointing.critic_format`);
+- an optional cast of floating tensors (`dtype`, e.g. bfloat16 for engines after fp32 training);
+- buckets (`HFWeightExporter.buckets`): consecutive tensors grouped up to a byte budget, built on
+  rank 0 only, so that rank 0 holds at most one bucket (plus the bridge's current tensor) while it
+  hands buckets to engines; the other ranks take part in the gathers and keep nothing.
+
+Memory: the bridge materialises each full tensor on every rank (its all-gathers end on all
+ranks), one tensor at a time; the largest single tensor (an embedding, or one stacked expert
+projection) bounds the extra memory per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from megatron_sao.checkpointing import critic_format as cf
+from megatron_sao.models.bridge_compat import load_auto_bridge
+
+Role = Literal["actor", "critic"]
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class HFWeightExporter:
+    """Streams `chunks` (this rank's model chunks, DDP-wrapped or not, any parallel layout) as HF
+    tensors named after the checkpoint at `hf_dir` (its config decides the mapping; its weights
+    are not read). Build once per model; every call of `stream` / `buckets` is one export of the
+    chunks' current values and is collective over all ranks of the model."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], hf_dir: str | Path, role: Role = "actor",
+                 dtype: torch.dtype | None = None) -> None:
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
+        hf_dir = Path(hf_dir)
+        if not (hf_dir / "config.json").is_file():
+            raise ValueError(f"{hf_dir}: no config.json (the HF checkpoint directory the model was built from)")
+        self.chunks = list(chunks)
+        self.hf_dir = hf_dir
+        """The directory as given (config, tokenizer: what an engine needs next to the weights)."""
+        self.role = role
+        self.dtype = dtype
+        self._view_root: Path | None = None
+        config = json.loads((hf_dir / "config.json").read_text())
+        if cf.is_critic_config(config):  # megatron-bridge accepts causal LMs only
+            self._view_root = Path(tempfile.mkdtemp(prefix="sao-hf-export-view-"))
+            hf_dir = cf.causal_view(hf_dir, config, self._view_root / "hf")
+        self.bridge = load_auto_bridge(hf_dir)
+
+    def close(self) -> None:
+        if self._view_root is not None:
+            shutil.rmtree(self._view_root, ignore_errors=True)
+            self._view_root = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    # ---- the stream --------------------------------------------------------------------------
+
+    def stream(self, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: `(hf_name, full_tensor)` for every HF tensor, the same on every rank. With
+        `cpu=False` tensors stay on the model's device (for CUDA-IPC engine payloads)."""
+        model_bridge = self.bridge._model_bridge
+        hf_config = self.bridge.hf_pretrained.config
+        tasks = None
+        if self.role == "critic":  # the critic's output layer is the value head, not an LM head
+            unwrapped = [_unwrap(c) for c in self.chunks]
+            tasks = [t for t in model_bridge.build_conversion_tasks(hf_config, unwrapped)
+                     if t is None or not t.global_param_name.startswith("output_layer.")]
+        for name, tensor in model_bridge.stream_weights_megatron_to_hf(self.chunks, hf_config, cpu=cpu,
+                                                                       show_progress=False, conversion_tasks=tasks):
+            yield name, self._cast(tensor)
+        if self.role == "critic":
+            head = self._value_head(cpu)
+            yield cf.VALUE_WEIGHT, self._cast(head)
+            yield cf.VALUE_BIAS, self._cast(torch.zeros(1, dtype=head.dtype, device=head.device))
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+            return tensor.to(self.dtype)
+        return tensor
+
+    def _value_head(self, cpu: bool) -> torch.Tensor:
+        """The value head [1, hidden] from the last pipeline stage, on every rank."""
+        heads = [_unwrap(c).output_layer.weight.detach() for c in self.chunks
+                 if getattr(_unwrap(c), "post_process", False)]
+        local = heads[0].cpu() if heads else None
+        if torch.distributed.is_initialized():
+            gathered: list[torch.Tensor | None] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, local)
+            local = next(h for h in gathered if h is not None)
+        return local if cpu or not heads else heads[0]
+
+    # ---- buckets -----------------------------------------------------------------------------
+
+    def buckets(self, bucket_bytes: int, cpu: bool = True, src_rank: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """Collective: the stream grouped into dicts of at most `bucket_bytes` (a tensor larger
+        than that is a bucket of its own), in stream order. Only `src_rank` receives buckets; on
+        every other rank this yields nothing, but it must still be iterated to the end (it runs
+        the gathers). The tensors of a yielded bucket are not reused: the consumer may keep them."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        keep = _rank() == src_rank
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, tensor in self.stream(cpu=cpu):
+            if not keep:
+                continue
+            nbytes = tensor_nbytes(tensor)
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = {}, 0
+            if name in bucket:
+                raise ValueError(f"megatron-bridge exported {name!r} twice in one stream")
+            bucket[name] = tensor
+            size += nbytes
+        if bucket:
+            yield bucket
+
+
+def export_hf_state(chunks: Sequence[torch.nn.Module], hf_dir: str | Path, role: Role = "actor",
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Collective convenience: the whole HF state dict on every rank (small models and tests)."""
+    exporter = HFWeightExporter(chunks, hf_dir, role=role, dtype=dtype)
+    try:
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in exporter.stream():
+            out[name] = tensor
+        return out
+    finally:
+        exporter.close()

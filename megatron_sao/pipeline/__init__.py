@@ -1,0 +1,1 @@
+"""The asynchronous SAO pipeline: ready buffer, rollout service, weight sync, driver."""

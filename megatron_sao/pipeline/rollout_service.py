@@ -1,0 +1,220 @@
+"""The rollout side of a run: engines, the agent loop and the ready buffer, on a thread of its own.
+
+`RolloutService` runs an asyncio loop on a background thread: it starts the engine servers
+(`rollout.launcher.EngineLauncher`: SGLang on GPU, the CPU engine here; restarted when they die),
+runs the agent loop over the prompt stream with at most `rollout.max_inflight_per_engine`
+trajectories per engine, and puts every finished trajectory into the `ReadyBuffer` the moment it
+completes. The trainer, on the calling thread, takes batches from the buffer and hands new
+weights back through `update_weights` (pause in place -> load -> continue: trajectories still
+generating keep their tokens and continue under the new weights, each token tagged with the
+version that sampled it).
+
+Back-pressure: no new prompt starts while the buffer has no room (`pipeline.max_buffered`).
+Accounting (a contract: `rollout/started == completed + aborted + failed + in_flight` at every
+step): a prompt is `started` when its trajectory starts; it ends `completed` (COMPLETED or
+TRUNCATED, handed to the buffer), `failed` (the environment or reward failed) or `aborted`
+(engine-side abort, e.g. shutdown); an aborted prompt is started again (`rollout/requeued`) so
+nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from megatron_sao.rollout.environment import PromptSample
+from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RolloutService:
+    """Engines + agent loop feeding `buffer` from `prompts`; every public method is called from
+    the trainer's thread."""
+
+    def __init__(self, engine_config: Any, agent_config: Any, tokenizer: Any, env_factory: Callable[..., Any],
+                 prompts: Iterator[PromptSample], buffer: Any, max_inflight_per_engine: int) -> None:
+        self.engine_config = engine_config
+        self.agent_config = agent_config
+        self.tokenizer = tokenizer
+        self.env_factory = env_factory
+        self.prompts = prompts
+        self.buffer = buffer
+        self.max_inflight_per_engine = max_inflight_per_engine
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._requeue: collections.deque[PromptSample] = collections.deque()
+        self._in_flight: dict[str, list[PromptSample]] = collections.defaultdict(list)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)
+        self._stopping = False
+        self._suspended = False
+        self._task: asyncio.Future | None = None
+        self.launcher: Any = None
+        self.pool: Any = None
+        self.agent: Any = None
+        self.error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> list[str]:
+        """Start the engines (blocking until healthy) and the rollout; returns the engine URLs."""
+        from megatron_sao.rollout.agent_loop import AgentLoop
+        from megatron_sao.rollout.client import EngineClient
+        from megatron_sao.rollout.engine_pool import EnginePool
+        from megatron_sao.rollout.launcher import EngineLauncher
+
+        self.launcher = EngineLauncher(self.engine_config)
+        urls = self.launcher.start()
+        self.launcher.start_monitor()
+        self._thread.start()
+
+        async def build() -> None:
+            clients = [EngineClient(url) for url in urls]
+            self.pool = EnginePool(clients, max_inflight_per_engine=self.max_inflight_per_engine)
+            self.agent = AgentLoop(self.agent_config, self.tokenizer, self.pool, self.env_factory)
+
+        self.run(build())
+        self._task = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
+        return urls
+
+    def stop(self) -> None:
+        """Abort what is generating, stop the engines and the thread."""
+        self._stopping = True
+        if self.agent is not None and self._thread.is_alive():
+            self.run(self.agent.abort(), timeout_s=60)
+        if self._task is not None:
+            self._task.cancel()
+        if self.pool is not None and self._thread.is_alive():
+            self.run(self.pool.close(), timeout_s=30)
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        if self.launcher is not None:
+            self.launcher.stop()
+
+    # ---- called by the trainer ---------------------------------------------------------------
+
+    def suspend(self) -> None:
+        """Colocated placement: the trainer is about to use the devices. Pause generation in place
+        and release the engines' memory (weights, KV cache); `resume` undoes both."""
+        self.raise_if_failed()
+        clients = self.pool.clients
+
+        async def suspend() -> None:
+            await asyncio.gather(*(c.pause_generation("in_place") for c in clients))
+            await asyncio.gather(*(c.release_memory_occupation() for c in clients))
+
+        self.run(suspend())
+        self._suspended = True
+
+    def resume(self) -> None:
+        clients = self.pool.clients
+
+        async def resume() -> None:
+            await asyncio.gather(*(c.resume_memory_occupation() for c in clients))
+            await asyncio.gather(*(c.continue_generation() for c in clients))
+
+        self.run(resume())
+        self._suspended = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[list[Any]]:
+        """Pause every engine in place for a weight update and yield their clients; continue on
+        exit. Trajectories still generating keep their tokens and go on under the new weights
+        (each token tagged with the version that sampled it): partial rollout, not restart."""
+        self.raise_if_failed()
+        clients = self.pool.clients
+
+        async def pause() -> None:
+            await asyncio.gather(*(c.pause_generation("in_place") for c in clients))
+
+        async def resume() -> None:
+            await asyncio.gather(*(c.continue_generation() for c in clients))
+
+        if self._suspended:  # colocated: already paused, `resume` continues after the update
+            yield clients
+            return
+        self.run(pause())
+        try:
+            yield clients
+        finally:
+            self.run(resume())
+
+    def run(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:
+        """Run `coro` on the rollout thread's loop (where the engine clients live) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        """The accounting (cumulative) and what the engines do now."""
+        c = self.counts
+        finished = c["completed"] + c["aborted"] + c["failed"]
+        out = {f"rollout/{k}": float(c[k]) for k in ("started", "completed", "aborted", "failed", "requeued")}
+        out["rollout/in_flight"] = float(c["started"] - finished)
+        out["rollout/engine_restarts"] = float(sum(h.restarts for h in self.launcher.engines)) if self.launcher else 0.0
+        return out
+
+    def raise_if_failed(self) -> None:
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            error = self._task.exception()
+            if error is not None:
+                raise RuntimeError(f"the rollout stopped: {error!r}") from error
+
+    # ---- the rollout thread -------------------------------------------------------------------
+
+    async def _samples(self):
+        while not self._stopping:
+            if not self.buffer.has_room():
+                await self.buffer.wait_for_room_async()  # back-pressure: start nothing while it is full
+            if self._requeue:
+                sample = self._requeue.popleft()
+                self.counts["requeued"] += 1
+            else:
+                sample = next(self.prompts, None)
+                if sample is None:
+                    return
+            self.counts["started"] += 1
+            self._in_flight[sample.prompt_id].append(sample)
+            yield sample
+
+    async def _produce(self) -> None:
+        async for traj in self.agent.iter_trajectories(self._samples()):
+            self._finish(traj)
+
+    def _finish(self, traj: Trajectory) -> None:
+        samples = self._in_flight[traj.prompt_id]
+        sample = samples.pop() if samples else None
+        if not samples:
+            self._in_flight.pop(traj.prompt_id, None)
+        if traj.status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED):
+            self.counts["completed"] += 1
+            self.buffer.put(traj)
+        elif traj.status == TrajectoryStatus.ABORTED:
+            self.counts["aborted"] += 1
+            if not self._stopping and sample is not None:
+                self._requeue.append(sample)  # started again (its group slot stays open for it)
+            else:
+                self.buffer.put(traj)  # counted there, never trained on; closes its group slot
+        else:
+            self.counts["failed"] += 1
+            self.buffer.put(traj)
+            logger.warning("trajectory %s (prompt %s) failed: %s", traj.trajectory_id, traj.prompt_id,
+                           traj.status_reason)
+
+    def pending_samples(self) -> list[PromptSample]:
+        """Prompts started but not finished, and aborted ones waiting to restart (for checkpoints:
+        a resumed run starts them again)."""
+        return [*self._requeue, *(s for samples in self._in_flight.values() for s in samples)]
+
+
+def log_dir(run_dir: Path) -> str:
+    path = run_dir / "engines"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)

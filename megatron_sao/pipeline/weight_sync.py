@@ -1,0 +1,367 @@
+"""Push one version of the actor's weights into the rollout engines, in HF naming, bucket by bucket.
+
+The trainer ranks stream the actor through `models.hf_export.HFWeightExporter` (collective:
+gathered across TP / PP / EP); trainer rank 0 receives the buckets and hands them to every engine
+by one of three paths:
+
+- `tensor` (colocated): each bucket goes in one `/update_weights_from_tensor` call. CPU engine:
+  a base64 safetensors payload (`load_format="safetensors"`); SGLang (`engine_format="sglang"`):
+  its own CUDA-IPC payload (`load_format=None`), the tensors kept on the GPU, sglang imported
+  only then; every engine receives rank 0's tensors (same node).
+- `distributed` (disaggregated): a process group of trainer rank 0 (rank 0, the broadcast
+  source) and the engines (ranks 1..n), opened at the first sync and kept: gloo on CPU, NCCL on
+  GPU (SGLang's own group recipe). Per bucket, the engines are told names / dtypes / shapes by
+  `/update_weights_from_distributed` while rank 0 broadcasts the tensors.
+- `disk` (fallback): the buckets are written as safetensors shards of an HF directory
+  (`<disk_dir>/v<version>`, written aside and renamed when complete, the previous version
+  removed), which every engine loads with `/update_weights_from_disk`.
+
+Versions: the new `weight_version` is set once every bucket is in (`/update_weight_version`
+without aborting; the disk path sets it with its single call), then every engine's
+`/get_weight_version` must answer it, or `WeightSyncError` names the engine. A sync that fails
+part-way leaves an engine with a mix of versions under the old label: sync again before generating.
+
+Checksum mode (debugging): the SHA-256 of what the exporter produced (`weights_checksum`: names,
+dtypes, shapes and bytes, independent of bucketing) is compared with that of what actually went on
+the wire, decoded back on the sender (tensor payloads decoded, disk shards read back). The engines
+do not report a weight hash (neither SGLang nor the CPU engine has such an endpoint), so the
+engine side is not checked here; `weights_checksum` of the engine's tensors gives the same value.
+
+Pause / continue is the caller's job. The expected sequence, per actor step that is due
+(`WeightSyncConfig.every_n_steps`):
+
+    # trainer rank 0 (rollout side: RolloutService.update_weights does pause and continue)
+    pause_generation("in_place") on every engine
+    await weight_sync.push(clients, version)       # meanwhile, every other trainer rank: weight_sync.follow()
+    continue_generation() on every engine
+
+`push` runs the collective stream on a worker thread so that the event loop keeps serving; the
+other ranks call `follow()` (the same stream, nothing kept) at the same point of their step.
+`sync()` does both sides for callers without a running loop (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from megatron_sao.models.hf_export import HFWeightExporter, tensor_nbytes
+from megatron_sao.platform.distributed import free_port
+from megatron_sao.rollout import weight_transfer as wt
+
+SyncMode = Literal["tensor", "distributed", "disk"]
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync did not reach an engine as intended; the message names the engine."""
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    """What `rollout.weight_sync.*` will hold (taken as arguments until the schema has it)."""
+
+    mode: SyncMode = "tensor"
+    """tensor (colocated engines), distributed (a process group to the engines), disk (fallback)."""
+    bucket_mb: float = 256.0
+    """Bucket size in MiB: the most tensor bytes rank 0 holds and sends at once (one bigger tensor
+    is a bucket of its own)."""
+    every_n_steps: int = 1
+    """Sync after every N-th applied actor update (policy version)."""
+    checksum: bool = False
+    """Hash what was exported and what went on the wire, and compare (debugging; costs a hash pass)."""
+    engine_format: Literal["safetensors", "sglang"] = "safetensors"
+    """Tensor-mode payload: safetensors (CPU engine) or SGLang's CUDA-IPC serialisation."""
+    engine_tp_size: int = 1
+    """Tensor-mode SGLang payload copies per engine (its TP size)."""
+    disk_dir: str = ""
+    """Disk mode: a directory every engine can read (required for mode=disk)."""
+    master_address: str = "127.0.0.1"
+    """Distributed mode: the address at which the engines reach trainer rank 0."""
+    master_port: int = 0
+    """Distributed mode: TCP port of the group's store on trainer rank 0 (0: a free port)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Distributed mode: auto = NCCL with CUDA, gloo without."""
+    group_name: str = wt.DEFAULT_GROUP_NAME
+    timeout_s: float = 600.0
+    """Distributed mode: how long a group join or a broadcast may wait for the engines."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("tensor", "distributed", "disk"):
+            raise ValueError(f"rollout.weight_sync.mode must be tensor, distributed or disk, got {self.mode!r}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"rollout.weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.every_n_steps < 1:
+            raise ValueError(f"rollout.weight_sync.every_n_steps must be >= 1, got {self.every_n_steps}")
+        if self.mode == "disk" and not self.disk_dir:
+            raise ValueError("rollout.weight_sync.disk_dir is required with mode=disk (a directory the engines read)")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+    def due(self, policy_version: int) -> bool:
+        """Whether the actor at `policy_version` (applied updates so far) is to be pushed."""
+        return policy_version > 0 and policy_version % self.every_n_steps == 0
+
+
+@dataclass
+class SyncReport:
+    version: str
+    mode: str
+    engines: list[str]
+    num_tensors: int = 0
+    num_bytes: int = 0
+    num_buckets: int = 0
+    seconds: float = 0.0
+    export_seconds: float = 0.0
+    """Time rank 0 waited on the collective stream (gathers and conversion)."""
+    checksum: str | None = None
+    path: str | None = None
+    """Disk mode: the HF directory written (engine restarts can load it)."""
+    flushed: bool = False
+    """Whether every engine flushed its prefix cache afterwards (refused while requests are paused
+    in place: their KV was computed by the old weights either way)."""
+    digests: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def metrics(self) -> dict[str, float]:
+        return {"weight_sync/seconds": self.seconds, "weight_sync/export_s": self.export_seconds,
+                "weight_sync/bytes": float(self.num_bytes), "weight_sync/buckets": float(self.num_buckets)}
+
+
+def tensor_digest(name: str, tensor: torch.Tensor) -> str:
+    t = tensor.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def combine_digests(digests: Mapping[str, str]) -> str:
+    return hashlib.sha256("".join(f"{n}={d};" for n, d in sorted(digests.items())).encode()).hexdigest()
+
+
+def weights_checksum(named: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over HF-named tensors (name, dtype, shape, bytes), independent of their order."""
+    return combine_digests({n: tensor_digest(n, t) for n, t in named.items()})
+
+
+class WeightSync:
+    """Trainer side of weight sync; one per run (it keeps the distributed group)."""
+
+    def __init__(self, exporter: HFWeightExporter, config: WeightSyncConfig, src_rank: int = 0) -> None:
+        self.exporter = exporter
+        self.config = config
+        self.src_rank = src_rank
+        self._group: Any = None
+        self._group_urls: tuple[str, ...] = ()
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._backend = (("nccl" if torch.cuda.is_available() else "gloo") if config.backend == "auto"
+                         else config.backend)
+        # Tensors stay on the GPU only for CUDA-IPC payloads and NCCL broadcasts.
+        self._cpu = not ((config.mode == "tensor" and config.engine_format == "sglang")
+                         or (config.mode == "distributed" and self._backend == "nccl"))
+
+    # ---- both sides ----------------------------------------------------------------------------
+
+    def _buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self.exporter.buckets(self.config.bucket_bytes, cpu=self._cpu, src_rank=self.src_rank)
+
+    def follow(self) -> None:
+        """Every trainer rank but `src_rank`: take part in the stream (keeps nothing)."""
+        for _ in self._buckets():
+            pass
+
+    def sync(self, version: int | str, clients: Sequence[Any] = ()) -> SyncReport | None:
+        """Collective, for callers without a running event loop: push on `src_rank` (its own loop),
+        follow elsewhere. Returns the report on `src_rank`, None elsewhere."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank != self.src_rank:
+            self.follow()
+            return None
+        return asyncio.run(self.push(list(clients), version))
+
+    # ---- trainer rank 0 ------------------------------------------------------------------------
+
+    async def push(self, clients: Sequence[Any], version: int | str) -> SyncReport:
+        """On `src_rank`, inside the loop the clients belong to, while the other ranks `follow()`."""
+        if not clients:
+            raise ValueError("weight sync needs at least one engine client")
+        version = str(version)
+        report = SyncReport(version=version, mode=self.config.mode, engines=[c.base_url for c in clients])
+        start = time.perf_counter()
+        buckets = self._buckets()
+        sender = {"tensor": self._send_tensor, "distributed": self._send_distributed, "disk": self._send_disk}
+        try:
+            if self.config.mode == "distributed":
+                await self._ensure_group(clients)
+            await sender[self.config.mode](clients, self._timed(buckets, report), version, report)
+        finally:
+            await asyncio.to_thread(_drain, buckets, self._device)  # keep the other ranks' collectives matched
+        if self.config.mode != "disk":
+            await _each(clients, "set the weight version",
+                        lambda c: c.update_weight_version(version, abort_all_requests=False))
+        got = await asyncio.gather(*(c.get_weight_version() for c in clients))
+        wrong = [f"{c.base_url} reports {v!r}" for c, v in zip(clients, got, strict=True) if v != version]
+        if wrong:
+            raise WeightSyncError(f"weight sync to version {version!r}: {'; '.join(wrong)}")
+        flushed = await asyncio.gather(*(c.flush_cache() for c in clients), return_exceptions=True)
+        report.flushed = all(f is True for f in flushed)
+        if self.config.checksum:
+            report.checksum = combine_digests(report.digests)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    async def _timed(self, buckets: Iterator[dict[str, torch.Tensor]], report: SyncReport):
+        while True:
+            t0 = time.perf_counter()
+            bucket = await asyncio.to_thread(_next, buckets, self._device)
+            report.export_seconds += time.perf_counter() - t0
+            if bucket is None:
+                return
+            report.num_buckets += 1
+            report.num_tensors += len(bucket)
+            report.num_bytes += sum(tensor_nbytes(t) for t in bucket.values())
+            if self.config.checksum:
+                report.digests.update({n: tensor_digest(n, t) for n, t in bucket.items()})
+            yield bucket
+
+    def _check_wire(self, wire: Mapping[str, torch.Tensor], report: SyncReport, what: str) -> None:
+        if not self.config.checksum:
+            return
+        for name, tensor in wire.items():
+            if tensor_digest(name, tensor) != report.digests.get(name):
+                raise WeightSyncError(f"checksum: {name!r} differs between the export and the {what}")
+
+    async def _send_tensor(self, clients, buckets, version: str, report: SyncReport) -> None:
+        sglang = self.config.engine_format == "sglang"
+        async for bucket in buckets:
+            if sglang:
+                payload = wt.encode_sglang_tensor_payload(bucket, self.config.engine_tp_size)
+            else:
+                payload = [await asyncio.to_thread(wt.encode_safetensors_payload, bucket)]
+                self._check_wire(wt.decode_safetensors_payload(payload[0]), report, "tensor payload")
+            fmt = None if sglang else wt.SAFETENSORS_LOAD_FORMAT
+            await _each(clients, f"update_weights_from_tensor (bucket {report.num_buckets})",
+                        lambda c, p=payload, f=fmt: c.update_weights_from_tensor(p, load_format=f, flush_cache=False))
+
+    async def _send_distributed(self, clients, buckets, version: str, report: SyncReport) -> None:
+        group = self._group
+        async for bucket in buckets:
+            names, tensors = list(bucket), list(bucket.values())
+            dtypes = [wt.dtype_name(t.dtype) for t in tensors]
+            shapes = [list(t.shape) for t in tensors]
+            announce = _each(clients, f"update_weights_from_distributed (bucket {report.num_buckets})",
+                             lambda c, n=names, d=dtypes, s=shapes: c.update_weights_from_distributed(
+                                 n, d, s, group_name=self.config.group_name, flush_cache=False))
+            await asyncio.gather(announce, asyncio.to_thread(self._broadcast, group, tensors))
+
+    def _broadcast(self, group: Any, tensors: list[torch.Tensor]) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        if self._backend == "nccl":
+            for tensor in tensors:
+                torch.distributed.broadcast(tensor, src=0, group=group)
+        else:
+            wt.broadcast_tensors(group, tensors)
+
+    async def _send_disk(self, clients, buckets, version: str, report: SyncReport) -> None:
+        from safetensors.torch import load_file, save_file
+
+        root = Path(self.config.disk_dir)
+        final, tmp = root / f"v{version}", root / f".v{version}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        weight_map: dict[str, str] = {}
+        async for bucket in buckets:
+            file = f"model-{report.num_buckets:05d}.safetensors"
+            tensors = {n: t.detach().contiguous() for n, t in bucket.items()}
+            await asyncio.to_thread(save_file, tensors, str(tmp / file), {"format": "pt"})
+            weight_map.update(dict.fromkeys(bucket, file))
+            if self.config.checksum:
+                self._check_wire(await asyncio.to_thread(load_file, str(tmp / file)), report, f"shard {file}")
+        index = {"metadata": {"total_size": report.num_bytes}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+        for entry in sorted(Path(self.exporter.hf_dir).iterdir()):  # config, tokenizer: a loadable HF dir
+            if entry.is_file() and not entry.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(entry, tmp / entry.name)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        report.path = str(final)
+        await _each(clients, f"update_weights_from_disk ({final})",
+                    lambda c: c.update_weights_from_disk(str(final), weight_version=version, flush_cache=False))
+        for old in root.glob("v*"):  # engines restarted later load `final`; older versions go
+            if old.is_dir() and old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ---- the distributed group -------------------------------------------------------------------
+
+    async def _ensure_group(self, clients: Sequence[Any]) -> None:
+        urls = tuple(c.base_url for c in clients)
+        if self._group is not None and urls == self._group_urls:
+            return
+        await self.close_group(clients)
+        port = self.config.master_port or free_port()
+        world = 1 + len(clients)  # CPU engines and TP-1 SGLang engines: one rank each
+        cfg = self.config
+        opened = asyncio.to_thread(self._open_group, port, world)
+        joins = [c.init_weights_update_group(cfg.master_address, port, rank_offset=1 + i, world_size=world,
+                                             group_name=cfg.group_name, backend=self._backend)
+                 for i, c in enumerate(clients)]
+        results = await asyncio.gather(opened, *joins, return_exceptions=True)
+        errors = [f"{c.base_url}: {r}" for c, r in zip(clients, results[1:], strict=True) if isinstance(r, Exception)]
+        if isinstance(results[0], Exception) or errors:
+            raise WeightSyncError(f"opening the weight update group ({cfg.master_address}:{port}, {self._backend}) "
+                                  f"failed: {results[0] if isinstance(results[0], Exception) else ''} {errors}")
+        self._group, self._group_urls = results[0], urls
+
+    def _open_group(self, port: int, world: int) -> Any:
+        cfg = self.config
+        if self._backend == "gloo":
+            return wt.create_weight_update_group(cfg.master_address, port, 0, world, cfg.group_name, "gloo",
+                                                 cfg.timeout_s)
+        import datetime
+
+        from sglang.srt.utils import init_custom_process_group  # the recipe SGLang's engines join with
+
+        torch.cuda.set_device(self._device)
+        return init_custom_process_group(backend="nccl", init_method=f"tcp://{cfg.master_address}:{port}",
+                                         world_size=world, rank=0, group_name=cfg.group_name,
+                                         timeout=datetime.timedelta(seconds=cfg.timeout_s))
+
+    async def close_group(self, clients: Sequence[Any] = ()) -> None:
+        """Forget the group (engines that still answer destroy their end); the next distributed
+        push opens a new one. Call after an engine restart."""
+        if self._group is None:
+            return
+        live = [c for c in clients if c.base_url in self._group_urls]
+        await asyncio.gather(*(c.destroy_weights_update_group(self.config.group_name) for c in live),
+                             return_exceptions=True)
+        self._group, self._group_urls = None, ()
+
+
+def _next(buckets: Iterator[dict[str, torch.Tensor]], device: int | None) -> dict[str, torch.Tensor] | None:
+    if device is not None:
+        torch.cuda.set_device(device)  # the CUDA device is per thread
+    return next(buckets, None)
+
+
+def _drain(buckets: Iterator[dict[str, torch.Tensor]], device: int | None) -> None:
+    while _next(buckets, device) is not None:
+        pass
+
+
+async def _each(clients: Sequence[Any], what: str, call: Callable[[Any], Awaitable[Any]]) -> None:
+    """`call` on every engine at once; any failure raises naming the engine(s)."""
+    results = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
+    errors = [f"{c.base_url}: {r}" for c, r in zip(clients, results, strict=True) if isinstance(r, BaseException)]
+    if errors:
+        raise WeightSyncError(f"weight sync: {what} failed on {len(errors)} engine(s): " + "; ".join(errors))
