@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     add_plan_parser(sub)
     add_launch_parser(sub)
+    from megatron_sao.jobs.value_pretrain import add_value_pretrain_parser
+
+    add_value_pretrain_parser(sub)
+    from megatron_sao.jobs.report import add_report_parser
+
+    add_report_parser(sub)
     return parser
 
 

@@ -24,7 +24,8 @@ from megatron_sao.config.schema import SaoConfig
 COMMAND_LINE = "command line"
 # Input paths written in a recipe are relative to that recipe file (so recipes work from any
 # working directory); on the command line they are relative to the working directory.
-RECIPE_RELATIVE_PATHS = ("model.hf_path", "data.train_path", "data.trajectories_path", "actor.load", "critic.load")
+RECIPE_RELATIVE_PATHS = ("model.hf_path", "data.train_path", "data.trajectories_path", "actor.load", "critic.load",
+                         "value_pretrain.corpus_dir")
 
 
 class ConfigError(ValueError):

@@ -288,6 +288,13 @@ class PipelineConfig:
     (None: 2 x data.batch_size)."""
     distinct_prompts: bool = True
     """A batch holds at most one trajectory (group) per prompt."""
+    engine_health_interval_s: float = 5.0
+    """Seconds between health checks of each running engine."""
+    engine_health_timeout_s: float = 10.0
+    """A health check unanswered for this long fails."""
+    engine_health_failures: int = 3
+    """An engine whose process is alive but fails this many checks in a row is hung: it is killed,
+    restarted by the engine supervisor, and its in-flight calls go to a healthy engine."""
 
 
 @dataclass(kw_only=True)

@@ -263,6 +263,8 @@ class Trajectory:
                 raise ValueError(f"{where}: non-action token {t} carries a version or a log-prob")
         num_terminal = 0
         for reward in self.rewards:
+            if not math.isfinite(reward.value):
+                raise ValueError(f"{where}: reward {reward} is not finite")
             if not 0 <= reward.turn < len(self.turns):
                 raise ValueError(f"{where}: reward {reward} names a missing turn")
             if reward.position != self.turns[reward.turn].action_end - 1:

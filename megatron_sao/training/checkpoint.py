@@ -127,8 +127,8 @@ def save_checkpoint(checkpoints_dir: Path, step: int, roles: dict[str, RoleOptim
 
     checkpoints_dir = Path(checkpoints_dir)
     unknown = sorted(set(roles) - set(files.ROLES))
-    if unknown or "actor" not in roles:
-        raise ValueError(f"save_checkpoint: roles must be actor and optionally critic, got {sorted(roles)}")
+    if unknown or not roles:
+        raise ValueError(f"save_checkpoint: roles must be actor and/or critic, got {sorted(roles)}")
     try:
         state_text = json.dumps(trainer_state, indent=1, sort_keys=True) + "\n"
     except (TypeError, ValueError) as e:

@@ -80,6 +80,8 @@ def test_two_turn_layout_is_exact():
         (lambda t: setattr(t.rewards[0], "position", 5), "last token"),
         (lambda t: setattr(t.turns[1], "action_start", 5), "starts at"),
         (lambda t: t.add_reward(2.0, RewardKind.TERMINAL), "terminal rewards"),
+        (lambda t: setattr(t.rewards[0], "value", float("nan")), "not finite"),
+        (lambda t: setattr(t.rewards[0], "value", float("-inf")), "not finite"),
     ],
 )
 def test_validate_names_the_broken_invariant(corrupt, message):

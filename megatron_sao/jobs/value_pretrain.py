@@ -1,0 +1,137 @@
+"""`sao value-pretrain generate | train`: a rollout corpus from the policy, then the critic trained on it.
+
+    sao value-pretrain generate RECIPE.yaml [overrides]   # engines + agent loop -> sharded Parquet + manifest
+    sao value-pretrain train RECIPE.yaml [overrides]      # the critic alone, streamed, resumable
+
+`train` follows `sao train`'s run-directory rules (resume from the latest checkpoint, never mix
+runs, SIGTERM/SIGINT -> checkpoint and exit 143). RL then starts its critic from the result with
+`critic.load=<run dir>/checkpoints`. Details: docs/value-pretraining.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from megatron_sao.config.schema import SaoConfig
+
+
+def _forward_to_children(signum: int, frame: Any) -> None:
+    """The parent only waits: every rank gets the signal, checkpoints and stops."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+
+
+def run_pretrain(config: SaoConfig) -> tuple[int, dict[str, Any], Path]:
+    """Train the critic on `launcher.nproc_per_node` local processes, or, with launcher.kind=slurm
+    inside a Slurm job, on srun tasks over the allocation's nodes. Returns (exit code, rank 0's
+    result, run directory)."""
+    from megatron_sao.config.validate import trainer_world_size
+    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, resolve_resume
+    from megatron_sao.models.build import check_layout_fits_model
+    from megatron_sao.platform import run_distributed
+    from megatron_sao.utils.run_logging import prepare_run_dir, run_dir_of
+    from megatron_sao.valuepretrain.settings import check_value_pretrain_config
+    from megatron_sao.valuepretrain.train_loop import pretrain_rank
+
+    check_value_pretrain_config(config, for_training=True)
+    on_slurm = config.launcher.kind == "slurm"
+    if not on_slurm and config.launcher.nnodes != 1:
+        raise ValueError(f"launcher.nnodes={config.launcher.nnodes} with launcher.kind=local: several nodes need "
+                         "launcher.kind=slurm (run through `sao launch slurm --command \"value-pretrain train\"`)")
+    run_dir = run_dir_of(config).resolve() if on_slurm else run_dir_of(config)
+    resume_from = resolve_resume(config, run_dir)
+    if resume_from is not None:
+        step = int(resume_from.name.removeprefix("iter_"))
+        if step >= config.run.total_steps:
+            print(f"run {run_dir} is complete: checkpoint {resume_from} is at step {step} >= run.total_steps="
+                  f"{config.run.total_steps}; raise run.total_steps to train on", flush=True)
+            return 0, {"step": step, "stopped": False, "metrics": {}, "heldout": None}, run_dir
+        print(f"resuming from {resume_from}", flush=True)
+        prepare_run_dir(config, resume_step=step)
+    else:
+        prepare_run_dir(config)
+    check_layout_fits_model(config)
+    print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
+    resume = str(resume_from) if resume_from else None
+    if on_slurm:  # inside a Slurm job: the ranks are the tasks of one srun step, on every node
+        from megatron_sao.platform.srun import run_srun
+
+        result = run_srun(pretrain_rank, trainer_world_size(config), config, str(run_dir), resume,
+                          ntasks_per_node=config.launcher.nproc_per_node, work_dir=run_dir / "launch")[0]
+        return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
+    previous = {s: signal.signal(s, _forward_to_children) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = run_distributed(pretrain_rank, trainer_world_size(config), config, str(run_dir), resume,
+                                 timeout_s=float("inf"))[0]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
+
+
+def _load(args: argparse.Namespace) -> SaoConfig:
+    from megatron_sao.config import load_config
+
+    return load_config(args.recipe, args.overrides)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL
+    from megatron_sao.valuepretrain.generate import run_generate
+
+    result = run_generate(_load(args))
+    totals = result.manifest.totals()
+    train, heldout = totals["train"], totals["heldout"]
+    how = "stopped by a signal; rerun to continue" if result.stopped else "complete"
+    print(f"corpus {result.corpus_dir} {how}: {result.shards_written} shard(s) written, {result.shards_skipped} "
+          f"already there; train {train['trajectories']} trajectories / {train['tokens']} tokens (reward mean "
+          f"{train['reward']['mean']}), held-out {heldout['trajectories']} / {heldout['tokens']}", flush=True)
+    return STOPPED_BY_SIGNAL if result.stopped else 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    code, result, run_dir = run_pretrain(_load(args))
+    heldout = result.get("heldout")
+    if heldout is None:
+        shown = "no held-out evaluation"
+    else:
+        ev = heldout["explained_variance"]
+        shown = (f"held-out explained variance {'undefined' if ev is None else f'{ev:.4f}'}, value MSE "
+                 f"{heldout['value_mse']:.4g}, calibration error {heldout['calibration_error']:.4g}")
+    how = "stopped by a signal after its checkpoint; rerun to resume" if result.get("stopped") else "finished"
+    print(f"value pretraining {how} at step {result['step']} ({run_dir}): {shown}", flush=True)
+    return code
+
+
+def add_value_pretrain_parser(subparsers: Any) -> None:
+    from megatron_sao.cli import _add_recipe_args
+
+    parser = subparsers.add_parser(
+        "value-pretrain", help="value pretraining: generate a rollout corpus, train the critic on it",
+        description="Value pretraining (docs/value-pretraining.md): `generate` rolls out the policy "
+                    "(model.hf_path) value_pretrain.samples_per_prompt times per prompt of data.train_path and writes "
+                    "a sharded Parquet corpus with a manifest to value_pretrain.corpus_dir (resumable); `train` trains "
+                    "the critic alone on it, streamed by row group across data-parallel ranks, with held-out "
+                    "explained variance and calibration, checkpoints and exact resume. RL starts from it with "
+                    "critic.load=RUN_DIR/checkpoints.")
+    actions = parser.add_subparsers(dest="value_pretrain_command", required=True, metavar="ACTION")
+    generate = actions.add_parser("generate", help="roll out the policy into a sharded corpus",
+                                  description="Start the rollout engines (rollout.engine), run the agent loop over "
+                                              "the prompts and write shards + manifest. Complete shards are skipped "
+                                              "on a rerun; SIGTERM/SIGINT: stop after the complete shards, exit 143.")
+    _add_recipe_args(generate)
+    generate.set_defaults(func=_cmd_generate)
+    train = actions.add_parser("train", help="train the critic on the corpus",
+                               description="Critic only, run.total_steps steps of data.batch_size trajectories; "
+                                           "writes config.yaml, metrics.jsonl, calibration.json/.png, "
+                                           "data_report.json and checkpoints/ into run.output_dir/run.name; resumes "
+                                           "from the latest checkpoint there. SIGTERM/SIGINT: checkpoint, exit 143.")
+    _add_recipe_args(train)
+    train.set_defaults(func=_cmd_train)
