@@ -37,10 +37,12 @@ class EngineSource:
         self.synced_version = -1
         self._sync_impl: Any = None
         self._sync_metrics: dict[str, float] = {}
+        self._sync_failures = 0
         # Colocated: engines and trainers time-share the devices (engines release their memory
         # while the trainer steps); disaggregated: generation stops only for weight updates.
         self.colocated = config.launcher.engine_placement == "colocated"
         self._wait_s = 0.0
+        self._batch: list[Trajectory] = []
         self.service: Any = None
         self.buffer: Any = None
         self.prompts: Any = None
@@ -72,7 +74,9 @@ class EngineSource:
         engine_config.log_dir = log_dir(self.run_dir)
         self.service = RolloutService(
             engine_config, agent_loop_config_from(c), AutoTokenizer.from_pretrained(c.model.hf_path),
-            env_factory_from(c), self.prompts, self.buffer, max_inflight_per_engine=c.rollout.max_inflight_per_engine)
+            env_factory_from(c), self.prompts, self.buffer, max_inflight_per_engine=c.rollout.max_inflight_per_engine,
+            health_interval_s=p.engine_health_interval_s, health_timeout_s=p.engine_health_timeout_s,
+            health_failures=p.engine_health_failures)
 
     def describe(self) -> str:
         if not self.rank0:
@@ -102,6 +106,7 @@ class EngineSource:
             if self.colocated:
                 self.service.suspend()  # the trainer takes the devices; generation waits
         dist.broadcast_object_list(batch, src=0)
+        self._batch = batch[0]
         return batch[0]
 
     def after_step(self, trainer: Any) -> dict[str, float]:
@@ -111,33 +116,70 @@ class EngineSource:
             return {}
         if self.colocated:
             self.service.resume()
+        # Partial rollout at work: trajectories whose actions were sampled by several versions.
+        spans = sum(len(set(t.action_versions())) > 1 for t in self._batch) / max(len(self._batch), 1)
         return {**self.service.metrics(), **self.buffer.metrics(), "time/wait_for_batch_s": self._wait_s,
+                "rollout/multi_version_frac": spans, "rollout/weight_sync_failures": float(self._sync_failures),
                 **self._take_sync_metrics(), "rollout/weight_version": float(self.synced_version),
                 "data/epoch": self.prompts.epochs_done}
 
     def _sync(self, trainer: Any, initial: bool = False) -> None:
-        """Collective: stream the actor into the engines when its version is due. At start, only
-        when the engines' weights (the HF checkpoint) are not the actor's (a resume, actor.load)."""
+        """Collective: stream the actor into the engines that need it. Rank 0 decides (a due
+        version goes to every healthy engine; otherwise only engines that lag behind, e.g.
+        restarted after a crash) and tells the other ranks, which take part in the stream; an
+        engine that fails during a push is retried once, then left for the next step."""
         version = trainer.state.actor_version
-        settings = self._settings()
-        if initial:
-            if version == 0 and not self.config.actor.load:
-                self.synced_version = 0
+        for attempt in range(2):
+            plan: list[Any] = [self._plan(version, initial, attempt) if self.rank0 else None]
+            dist.broadcast_object_list(plan, src=0)
+            if plan[0] is None:
                 return
-        elif version == self.synced_version or not settings.due(version):
+            sync = self._weight_sync(trainer, self._settings())
+            if self.rank0:
+                self._push(sync, plan[0], version)
+            else:
+                sync.follow()
+            if attempt == 0 and plan[0] == "due":
+                self.synced_version = version
+
+    def _plan(self, version: int, initial: bool, attempt: int) -> str | list[str] | None:
+        """Rank 0: "due" (every healthy engine), the URLs of lagging engines, or None."""
+        if attempt == 0:
+            if initial and (version > 0 or self.config.actor.load):
+                return "due"
+            if not initial and version != self.synced_version and self._settings().due(version):
+                return "due"
+            if initial:
+                self.synced_version = version
+                return None
+        current = str(self.synced_version)
+        lagging = [c.base_url for c in self.service.lagging_clients(current)] if self.synced_version >= 0 else []
+        return lagging or None
+
+    def _push(self, sync: Any, plan: str | list[str], version: int) -> None:
+        """Rank 0: push `version` (or, for lagging engines, the current synced version's weights,
+        which are the actor's: the actor has not changed since) into the planned engines."""
+        from megatron_sao.pipeline.weight_sync import WeightSyncError
+        from megatron_sao.rollout.engine_protocol import EngineError
+
+        healthy = self.service.healthy_clients()
+        clients = healthy if plan == "due" else [c for c in healthy if c.base_url in plan]
+        label = version if plan == "due" else self.synced_version
+        try:
+            with self.service.paused(clients) as paused:
+                if not paused:
+                    sync.follow()  # nobody to send to: still take part in the collective stream
+                    return
+                report = self.service.run(sync.push(paused, label))
+        except (WeightSyncError, EngineError) as e:
+            self._sync_failures += 1
+            logger.warning("weight sync to version %s failed (%s); engines that missed it are updated later", label, e)
             return
-        sync = self._weight_sync(trainer, settings)
-        if self.rank0:
-            with self.service.paused() as clients:
-                report = self.service.run(sync.push(clients, version))
-            self._sync_metrics = report.metrics()
-            if report.path:  # disk mode: a restarted engine loads the current weights
-                self.service.launcher.set_weights(report.path, str(version))
-            logger.info("engines at weight version %d (%.2f s, %.1f MB)", version, report.seconds,
-                        report.num_bytes / 2**20)
-        else:
-            sync.follow()
-        self.synced_version = version
+        self._sync_metrics = report.metrics()
+        if report.path:  # disk mode: a restarted engine loads the current weights
+            self.service.launcher.set_weights(report.path, str(label))
+        logger.info("engines %s at weight version %s (%.2f s, %.1f MB)", ",".join(report.engines), label,
+                    report.seconds, report.num_bytes / 2**20)
 
     def _take_sync_metrics(self) -> dict[str, float]:
         metrics, self._sync_metrics = self._sync_metrics, {}
@@ -167,12 +209,13 @@ class EngineSource:
         if not self.rank0:
             return {}
         return {"prompts": self.prompts.state_dict(unfinished=self.service.pending_samples()),
-                "buffer": self.buffer.state_dict()}
+                "buffer": self.buffer.state_dict(), "rollout": self.service.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.rank0:
             self.prompts.load_state_dict(state["prompts"])
             self.buffer.load_state_dict(state["buffer"])
+            self.service.load_state_dict(state["rollout"])
 
     def close(self) -> None:
         if self.service is not None:

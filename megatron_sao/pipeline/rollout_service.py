@@ -41,7 +41,8 @@ class RolloutService:
     the trainer's thread."""
 
     def __init__(self, engine_config: Any, agent_config: Any, tokenizer: Any, env_factory: Callable[..., Any],
-                 prompts: Iterator[PromptSample], buffer: Any, max_inflight_per_engine: int) -> None:
+                 prompts: Iterator[PromptSample], buffer: Any, max_inflight_per_engine: int,
+                 health_interval_s: float = 5.0, health_timeout_s: float = 10.0, health_failures: int = 3) -> None:
         self.engine_config = engine_config
         self.agent_config = agent_config
         self.tokenizer = tokenizer
@@ -49,6 +50,9 @@ class RolloutService:
         self.prompts = prompts
         self.buffer = buffer
         self.max_inflight_per_engine = max_inflight_per_engine
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.health_failures = health_failures
         self.counts: collections.Counter[str] = collections.Counter()
         self._requeue: collections.deque[PromptSample] = collections.deque()
         self._in_flight: dict[str, list[PromptSample]] = collections.defaultdict(list)
@@ -57,6 +61,7 @@ class RolloutService:
         self._stopping = False
         self._suspended = False
         self._task: asyncio.Future | None = None
+        self._watchdog: asyncio.Future | None = None
         self.launcher: Any = None
         self.pool: Any = None
         self.agent: Any = None
@@ -83,6 +88,7 @@ class RolloutService:
 
         self.run(build())
         self._task = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
+        self._watchdog = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
         return urls
 
     def stop(self) -> None:
@@ -90,8 +96,9 @@ class RolloutService:
         self._stopping = True
         if self.agent is not None and self._thread.is_alive():
             self.run(self.agent.abort(), timeout_s=60)
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._watchdog):
+            if task is not None:
+                task.cancel()
         if self.pool is not None and self._thread.is_alive():
             self.run(self.pool.close(), timeout_s=30)
         if self._thread.is_alive():
@@ -109,8 +116,8 @@ class RolloutService:
         clients = self.pool.clients
 
         async def suspend() -> None:
-            await asyncio.gather(*(c.pause_generation("in_place") for c in clients))
-            await asyncio.gather(*(c.release_memory_occupation() for c in clients))
+            paused = await self._each(clients, lambda c: c.pause_generation("in_place"))
+            await self._each(paused, lambda c: c.release_memory_occupation())
 
         self.run(suspend())
         self._suspended = True
@@ -119,34 +126,53 @@ class RolloutService:
         clients = self.pool.clients
 
         async def resume() -> None:
-            await asyncio.gather(*(c.resume_memory_occupation() for c in clients))
-            await asyncio.gather(*(c.continue_generation() for c in clients))
+            resumed = await self._each(clients, lambda c: c.resume_memory_occupation())
+            await self._each(resumed, lambda c: c.continue_generation())
 
         self.run(resume())
         self._suspended = False
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[list[Any]]:
-        """Pause every engine in place for a weight update and yield their clients; continue on
-        exit. Trajectories still generating keep their tokens and go on under the new weights
-        (each token tagged with the version that sampled it): partial rollout, not restart."""
+    def paused(self, clients: list[Any]) -> Iterator[list[Any]]:
+        """Pause `clients` in place for a weight update and yield those that paused (an engine
+        that died meanwhile is left out, marked unhealthy); continue them on exit. Trajectories
+        still generating keep their tokens and go on under the new weights (each token tagged with
+        the version that sampled it): partial rollout, not restart."""
         self.raise_if_failed()
-        clients = self.pool.clients
-
-        async def pause() -> None:
-            await asyncio.gather(*(c.pause_generation("in_place") for c in clients))
-
-        async def resume() -> None:
-            await asyncio.gather(*(c.continue_generation() for c in clients))
-
         if self._suspended:  # colocated: already paused, `resume` continues after the update
             yield clients
             return
-        self.run(pause())
+        paused = self.run(self._each(clients, lambda c: c.pause_generation("in_place")))
         try:
-            yield clients
+            yield paused
         finally:
-            self.run(resume())
+            self.run(self._each(paused, lambda c: c.continue_generation()))
+
+    async def _each(self, clients: list[Any], call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
+        """`call` on every client at once; returns those it succeeded on (the others are marked
+        unhealthy: the pool probes them until their restart answers)."""
+        results = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
+        ok = []
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, Exception):
+                logger.warning("engine %s: %r", client.base_url, result)
+                await self.pool.mark_unhealthy(client)
+            else:
+                ok.append(client)
+        return ok
+
+    def healthy_clients(self) -> list[Any]:
+        return self.pool.healthy_clients()
+
+    def lagging_clients(self, version: str) -> list[Any]:
+        """Healthy engines whose weight version is not `version` (e.g. restarted after a crash)."""
+
+        async def versions() -> list[Any]:
+            clients = self.pool.healthy_clients()
+            got = await asyncio.gather(*(c.get_weight_version() for c in clients), return_exceptions=True)
+            return [c for c, v in zip(clients, got, strict=True) if not isinstance(v, Exception) and v != version]
+
+        return self.run(versions())
 
     def run(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:
         """Run `coro` on the rollout thread's loop (where the engine clients live) and wait for it."""
@@ -156,7 +182,8 @@ class RolloutService:
         """The accounting (cumulative) and what the engines do now."""
         c = self.counts
         finished = c["completed"] + c["aborted"] + c["failed"]
-        out = {f"rollout/{k}": float(c[k]) for k in ("started", "completed", "aborted", "failed", "requeued")}
+        out = {f"rollout/{k}": float(c[k]) for k in ("started", "completed", "aborted", "failed", "requeued",
+                                                     "engine_hangs")}
         out["rollout/in_flight"] = float(c["started"] - finished)
         out["rollout/engine_restarts"] = float(sum(h.restarts for h in self.launcher.engines)) if self.launcher else 0.0
         return out
@@ -184,6 +211,27 @@ class RolloutService:
             self._in_flight[sample.prompt_id].append(sample)
             yield sample
 
+    async def _watch(self) -> None:
+        """A process that is alive but no longer answers (hung) is killed after `health_failures`
+        failed checks in a row; the supervisor then restarts it and the agent loop re-sends its
+        calls to a healthy engine. (A dead process is the supervisor's own business.)"""
+        failures: collections.Counter[int] = collections.Counter()
+        while not self._stopping:
+            await asyncio.sleep(self.health_interval_s)
+            for index, client in enumerate(self.pool.clients):
+                handle = self.launcher.engines[index]
+                if handle.process is None or handle.process.poll() is not None:
+                    failures[index] = 0  # dead or restarting: not a hang
+                    continue
+                ok = await client.health_generate(timeout_s=self.health_timeout_s)
+                failures[index] = 0 if ok else failures[index] + 1
+                if failures[index] >= self.health_failures:
+                    logger.warning("engine %s answered no health check for %d tries: killing it to restart",
+                                   client.base_url, failures[index])
+                    self.counts["engine_hangs"] += 1
+                    failures[index] = 0
+                    self.launcher.kill(index)
+
     async def _produce(self) -> None:
         async for traj in self.agent.iter_trajectories(self._samples()):
             self._finish(traj)
@@ -207,6 +255,16 @@ class RolloutService:
             self.buffer.put(traj)
             logger.warning("trajectory %s (prompt %s) failed: %s", traj.trajectory_id, traj.prompt_id,
                            traj.status_reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, with the prompts still in flight taken back out of `started`: a resumed
+        run starts them again (`pending_samples` go into the prompt stream's state)."""
+        counts = dict(self.counts)
+        counts["started"] = counts.get("started", 0) - len(self.pending_samples())
+        return {"counts": counts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts = collections.Counter(state["counts"])
 
     def pending_samples(self) -> list[PromptSample]:
         """Prompts started but not finished, and aborted ones waiting to restart (for checkpoints:

@@ -82,7 +82,7 @@ class WeightSyncConfig:
     engine_format: Literal["safetensors", "sglang"] = "safetensors"
     """Tensor-mode payload: safetensors (CPU engine) or SGLang's CUDA-IPC serialisation."""
     engine_tp_size: int = 1
-    """Tensor-mode SGLang payload copies per engine (its TP size)."""
+    """Each engine's TP size: SGLang payload copies (tensor mode), group ranks per engine (distributed)."""
     disk_dir: str = ""
     """Disk mode: a directory every engine can read (required for mode=disk)."""
     master_address: str = "127.0.0.1"
@@ -102,6 +102,8 @@ class WeightSyncConfig:
             raise ValueError(f"rollout.weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.every_n_steps < 1:
             raise ValueError(f"rollout.weight_sync.every_n_steps must be >= 1, got {self.every_n_steps}")
+        if self.engine_tp_size < 1:
+            raise ValueError(f"rollout.weight_sync.engine_tp_size must be >= 1, got {self.engine_tp_size}")
         if self.mode == "disk" and not self.disk_dir:
             raise ValueError("rollout.weight_sync.disk_dir is required with mode=disk (a directory the engines read)")
 
@@ -193,17 +195,20 @@ class WeightSync:
 
     async def push(self, clients: Sequence[Any], version: int | str) -> SyncReport:
         """On `src_rank`, inside the loop the clients belong to, while the other ranks `follow()`."""
-        if not clients:
-            raise ValueError("weight sync needs at least one engine client")
         version = str(version)
         report = SyncReport(version=version, mode=self.config.mode, engines=[c.base_url for c in clients])
         start = time.perf_counter()
         buckets = self._buckets()
         sender = {"tensor": self._send_tensor, "distributed": self._send_distributed, "disk": self._send_disk}
-        try:
+        try:  # whatever fails, the stream is drained below: the other trainer ranks are in its gathers
+            if not clients:
+                raise ValueError("weight sync needs at least one engine client")
             if self.config.mode == "distributed":
                 await self._ensure_group(clients)
             await sender[self.config.mode](clients, self._timed(buckets, report), version, report)
+        except BaseException:
+            await self.close_group(clients)  # a broadcast cut short leaves the group unusable
+            raise
         finally:
             await asyncio.to_thread(_drain, buckets, self._device)  # keep the other ranks' collectives matched
         if self.config.mode != "disk":
@@ -234,9 +239,12 @@ class WeightSync:
                 report.digests.update({n: tensor_digest(n, t) for n, t in bucket.items()})
             yield bucket
 
-    def _check_wire(self, wire: Mapping[str, torch.Tensor], report: SyncReport, what: str) -> None:
+    def _check_wire(self, wire: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor], report: SyncReport,
+                    what: str) -> None:
         if not self.config.checksum:
             return
+        if set(wire) != set(sent):
+            raise WeightSyncError(f"checksum: the {what} holds {sorted(set(wire) ^ set(sent))[:5]} unlike the export")
         for name, tensor in wire.items():
             if tensor_digest(name, tensor) != report.digests.get(name):
                 raise WeightSyncError(f"checksum: {name!r} differs between the export and the {what}")
@@ -248,7 +256,7 @@ class WeightSync:
                 payload = wt.encode_sglang_tensor_payload(bucket, self.config.engine_tp_size)
             else:
                 payload = [await asyncio.to_thread(wt.encode_safetensors_payload, bucket)]
-                self._check_wire(wt.decode_safetensors_payload(payload[0]), report, "tensor payload")
+                self._check_wire(wt.decode_safetensors_payload(payload[0]), bucket, report, "tensor payload")
             fmt = None if sglang else wt.SAFETENSORS_LOAD_FORMAT
             await _each(clients, f"update_weights_from_tensor (bucket {report.num_buckets})",
                         lambda c, p=payload, f=fmt: c.update_weights_from_tensor(p, load_format=f, flush_cache=False))
@@ -287,7 +295,7 @@ class WeightSync:
             await asyncio.to_thread(save_file, tensors, str(tmp / file), {"format": "pt"})
             weight_map.update(dict.fromkeys(bucket, file))
             if self.config.checksum:
-                self._check_wire(await asyncio.to_thread(load_file, str(tmp / file)), report, f"shard {file}")
+                self._check_wire(await asyncio.to_thread(load_file, str(tmp / file)), bucket, report, f"shard {file}")
         index = {"metadata": {"total_size": report.num_bytes}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
         for entry in sorted(Path(self.exporter.hf_dir).iterdir()):  # config, tokenizer: a loadable HF dir
@@ -310,10 +318,11 @@ class WeightSync:
             return
         await self.close_group(clients)
         port = self.config.master_port or free_port()
-        world = 1 + len(clients)  # CPU engines and TP-1 SGLang engines: one rank each
         cfg = self.config
+        world = 1 + len(clients) * cfg.engine_tp_size  # an engine joins with one rank per TP rank
         opened = asyncio.to_thread(self._open_group, port, world)
-        joins = [c.init_weights_update_group(cfg.master_address, port, rank_offset=1 + i, world_size=world,
+        joins = [c.init_weights_update_group(cfg.master_address, port, rank_offset=1 + i * cfg.engine_tp_size,
+                                             world_size=world,
                                              group_name=cfg.group_name, backend=self._backend)
                  for i, c in enumerate(clients)]
         results = await asyncio.gather(opened, *joins, return_exceptions=True)
