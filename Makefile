@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup demo test test-slow lint clean
+.PHONY: setup demo demo-engine test test-slow lint clean
 
 setup:
 	@bash tools/setup_env.sh
@@ -17,6 +17,11 @@ DEMO_TRAJECTORIES := checkpoints/tiny-qwen3-moe/scripted.parquet
 demo: setup
 	$(VENV)/bin/python tools/make_scripted_trajectories.py --recipe recipes/tiny_cpu.yaml --out $(DEMO_TRAJECTORIES) --num 512 --seed 0
 	$(VENV)/bin/sao train recipes/tiny_cpu.yaml
+
+# The same tiny model trained through the asynchronous pipeline: a CPU rollout engine on the calc task.
+demo-engine: setup
+	$(VENV)/bin/python tools/make_calc_prompts.py --out checkpoints/calc/train.jsonl --num 2048 --seed 0
+	$(VENV)/bin/sao train recipes/tiny_cpu_engine.yaml
 
 # Default test suite (CPU; GPU tests skip; slow tests excluded). Exits non-zero on any failure.
 test: setup

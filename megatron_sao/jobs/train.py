@@ -87,6 +87,7 @@ def train_rank(config: SaoConfig, run_dir: str, mode: Literal["rl", "sft"], resu
 
     signal.signal(signal.SIGTERM, _request_stop)
     signal.signal(signal.SIGINT, _request_stop)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine request otherwise
     init_model_parallel(config.parallelism, seed=config.run.seed)
     trainer = SaoTrainer(config, mode=mode)
     source = _make_source(config, Path(run_dir), mode)

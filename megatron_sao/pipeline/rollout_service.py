@@ -71,9 +71,9 @@ class RolloutService:
 
     def start(self) -> list[str]:
         """Start the engines (blocking until healthy) and the rollout; returns the engine URLs."""
-        from megatron_sao.rollout.agent_loop import AgentLoop
         from megatron_sao.rollout.client import EngineClient
         from megatron_sao.rollout.engine_pool import EnginePool
+        from megatron_sao.rollout.gateway.runner import make_runner
         from megatron_sao.rollout.launcher import EngineLauncher
 
         self.launcher = EngineLauncher(self.engine_config)
@@ -84,7 +84,9 @@ class RolloutService:
         async def build() -> None:
             clients = [EngineClient(url) for url in urls]
             self.pool = EnginePool(clients, max_inflight_per_engine=self.max_inflight_per_engine)
-            self.agent = AgentLoop(self.agent_config, self.tokenizer, self.pool, self.env_factory)
+            # The agent loop steps `Environment`s; a scaffold environment (`openai_scaffold`) drives
+            # the model itself through the gateway: `make_runner` picks the runner that fits.
+            self.agent = make_runner(self.agent_config, self.tokenizer, self.pool, self.env_factory)
 
         self.run(build())
         self._task = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
@@ -99,6 +101,8 @@ class RolloutService:
         for task in (self._task, self._watchdog):
             if task is not None:
                 task.cancel()
+        if hasattr(self.agent, "close") and self._thread.is_alive():
+            self.run(self.agent.close(), timeout_s=30)  # the gateway of a scaffold runner
         if self.pool is not None and self._thread.is_alive():
             self.run(self.pool.close(), timeout_s=30)
         if self._thread.is_alive():
@@ -237,6 +241,12 @@ class RolloutService:
             self._finish(traj)
 
     def _finish(self, traj: Trajectory) -> None:
+        if traj.metadata.get("last_segment", True) is False:
+            # An earlier segment of a scaffold episode whose history was rewritten: trained on,
+            # but the episode is accounted for once, with its last segment.
+            if traj.status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED):
+                self.buffer.put(traj)
+            return
         samples = self._in_flight[traj.prompt_id]
         sample = samples.pop() if samples else None
         if not samples:

@@ -23,6 +23,7 @@ _REGISTRY: dict[str, str | EnvBuilder] = {
     "calc": "megatron_sao.rollout.envs.calc:make_calc",
     "subprocess": "megatron_sao.rollout.envs.external:make_subprocess_env",
     "guess_number": "megatron_sao.rollout.envs.external:make_guess_number",
+    "openai_scaffold": "megatron_sao.rollout.envs.openai_scaffold:make_openai_scaffold",
 }
 
 
