@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 STOPPED_BY_SIGNAL = 143  # 128 + SIGTERM: stopped early after writing a checkpoint; rerun to resume
 _stop_requested = False
 _CONSOLE_KEYS = ("actor/loss", "actor/entropy", "actor/dis_masked_frac", "critic/value_loss",
-                 "critic/explained_variance", "train/reward_mean", "perf/tokens_per_s")
+                 "critic/explained_variance", "train/reward_mean", "train/success_rate", "staleness/mean",
+                 "perf/tokens_per_s")
 
 
 def checkpoints_dir(config: SaoConfig, run_dir: Path) -> Path:

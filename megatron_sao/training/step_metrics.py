@@ -38,6 +38,8 @@ def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "train/tokens": float(sum(len(t) for t in trajectories)),
         "train/action_tokens": float(sum(t.num_action_tokens for t in trajectories)),
         "train/reward_mean": sum(rewards) / n,
+        # Success: the episode's reward reached 1 (binary tasks, or graded ones at full marks).
+        "train/success_rate": sum(r >= 1.0 for r in rewards) / n,
         "train/response_length_mean": sum(t.response_length for t in trajectories) / n,
         "train/num_turns_mean": sum(len(t.turns) for t in trajectories) / n,
         "train/truncated_frac": sum(t.status == TrajectoryStatus.TRUNCATED for t in trajectories) / n,
