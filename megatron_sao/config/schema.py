@@ -229,7 +229,8 @@ class WeightSyncConfig:
     """Sync after every N actor updates (engines then sample from a policy up to N - 1 versions
     old; DIS corrects for it)."""
     checksum: bool = False
-    """Debugging: compare a checksum of the weights sent with what each engine loaded."""
+    """Debugging: compare a checksum of the exported weights with what went on the wire (decoded
+    back on the sender; engines report no hash of what they loaded)."""
 
 
 @dataclass(kw_only=True)

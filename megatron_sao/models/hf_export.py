@@ -60,6 +60,7 @@ class HFWeightExporter:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], hf_dir: str | Path, role: Role = "actor",
                  dtype: torch.dtype | None = None) -> None:
+        self._view_root: Path | None = None
         if role not in ("actor", "critic"):
             raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
         hf_dir = Path(hf_dir)
@@ -70,7 +71,6 @@ class HFWeightExporter:
         """The directory as given (config, tokenizer: what an engine needs next to the weights)."""
         self.role = role
         self.dtype = dtype
-        self._view_root: Path | None = None
         config = json.loads((hf_dir / "config.json").read_text())
         if cf.is_critic_config(config):  # megatron-bridge accepts causal LMs only
             self._view_root = Path(tempfile.mkdtemp(prefix="sao-hf-export-view-"))
@@ -97,9 +97,16 @@ class HFWeightExporter:
             unwrapped = [_unwrap(c) for c in self.chunks]
             tasks = [t for t in model_bridge.build_conversion_tasks(hf_config, unwrapped)
                      if t is None or not t.global_param_name.startswith("output_layer.")]
+        # A tensor the bridge neither gathers nor converts (a norm, an unsplit embedding) comes back
+        # as the live parameter itself when it is already on the target device: copy those, or a
+        # caller holding the export would see the next optimizer step.
+        live = {p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()}
         for name, tensor in model_bridge.stream_weights_megatron_to_hf(self.chunks, hf_config, cpu=cpu,
                                                                        show_progress=False, conversion_tasks=tasks):
-            yield name, self._cast(tensor)
+            tensor = self._cast(tensor)
+            if tensor.untyped_storage().data_ptr() in live:
+                tensor = tensor.clone()
+            yield name, tensor
         if self.role == "critic":
             head = self._value_head(cpu)
             yield cf.VALUE_WEIGHT, self._cast(head)
@@ -114,12 +121,12 @@ class HFWeightExporter:
         """The value head [1, hidden] from the last pipeline stage, on every rank."""
         heads = [_unwrap(c).output_layer.weight.detach() for c in self.chunks
                  if getattr(_unwrap(c), "post_process", False)]
-        local = heads[0].cpu() if heads else None
+        local = heads[0].cpu().clone() if heads else None
         if torch.distributed.is_initialized():
             gathered: list[torch.Tensor | None] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, local)
             local = next(h for h in gathered if h is not None)
-        return local if cpu or not heads else heads[0]
+        return local if cpu or not heads else heads[0].clone()
 
     # ---- buckets -----------------------------------------------------------------------------
 

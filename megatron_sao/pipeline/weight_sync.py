@@ -1,43 +1,25 @@
 """Push one version of the actor's weights into the rollout engines, in HF naming, bucket by bucket.
 
-The trainer ranks stream the actor through `models.hf_export.HFWeightExporter` (collective:
-gathered across TP / PP / EP); trainer rank 0 receives the buckets and hands them to every engine
-by one of three paths:
+The trainer ranks run the collective Megatron -> HF stream (`models.hf_export.HFWeightExporter`,
+gathered across TP / PP / EP); trainer rank 0 gets the buckets and hands them to every engine:
+`tensor` (colocated: one `/update_weights_from_tensor` per bucket; safetensors payload for the CPU
+engine, SGLang's CUDA-IPC payload with `engine_format="sglang"`), `distributed` (disaggregated: a
+process group of trainer rank 0 and the engines, gloo on CPU, NCCL on GPU, kept across syncs; the
+engines are told names / dtypes / shapes while rank 0 broadcasts) or `disk` (fallback: an HF
+directory `<disk_dir>/v<version>` that every engine loads). Then the version is set on every
+engine and read back: a mismatch raises `WeightSyncError` naming the engine. Checksum mode
+compares the SHA-256 of the export with that of what went on the wire, decoded back on the sender
+(engines report no weight hash). docs/pipeline.md ("Weight sync") has the details and figures.
 
-- `tensor` (colocated): each bucket goes in one `/update_weights_from_tensor` call. CPU engine:
-  a base64 safetensors payload (`load_format="safetensors"`); SGLang (`engine_format="sglang"`):
-  its own CUDA-IPC payload (`load_format=None`), the tensors kept on the GPU, sglang imported
-  only then; every engine receives rank 0's tensors (same node).
-- `distributed` (disaggregated): a process group of trainer rank 0 (rank 0, the broadcast
-  source) and the engines (ranks 1..n), opened at the first sync and kept: gloo on CPU, NCCL on
-  GPU (SGLang's own group recipe). Per bucket, the engines are told names / dtypes / shapes by
-  `/update_weights_from_distributed` while rank 0 broadcasts the tensors.
-- `disk` (fallback): the buckets are written as safetensors shards of an HF directory
-  (`<disk_dir>/v<version>`, written aside and renamed when complete, the previous version
-  removed), which every engine loads with `/update_weights_from_disk`.
+Pause / continue is the caller's job:
 
-Versions: the new `weight_version` is set once every bucket is in (`/update_weight_version`
-without aborting; the disk path sets it with its single call), then every engine's
-`/get_weight_version` must answer it, or `WeightSyncError` names the engine. A sync that fails
-part-way leaves an engine with a mix of versions under the old label: sync again before generating.
+    # trainer rank 0, on the rollout loop: pause_generation("in_place") on every engine, then
+    report = await weight_sync.push(clients, version)   # meanwhile every other rank: weight_sync.follow()
+    # then continue_generation() on every engine (RolloutService.update_weights does both)
 
-Checksum mode (debugging): the SHA-256 of what the exporter produced (`weights_checksum`: names,
-dtypes, shapes and bytes, independent of bucketing) is compared with that of what actually went on
-the wire, decoded back on the sender (tensor payloads decoded, disk shards read back). The engines
-do not report a weight hash (neither SGLang nor the CPU engine has such an endpoint), so the
-engine side is not checked here; `weights_checksum` of the engine's tensors gives the same value.
-
-Pause / continue is the caller's job. The expected sequence, per actor step that is due
-(`WeightSyncConfig.every_n_steps`):
-
-    # trainer rank 0 (rollout side: RolloutService.update_weights does pause and continue)
-    pause_generation("in_place") on every engine
-    await weight_sync.push(clients, version)       # meanwhile, every other trainer rank: weight_sync.follow()
-    continue_generation() on every engine
-
-`push` runs the collective stream on a worker thread so that the event loop keeps serving; the
-other ranks call `follow()` (the same stream, nothing kept) at the same point of their step.
-`sync()` does both sides for callers without a running loop (tests, benchmarks).
+`push` runs the collective stream on a worker thread so that the event loop keeps serving; it
+drains the stream whatever fails, so the other ranks never wait in a gather. `sync()` does both
+sides for callers without a running loop (tests, tools).
 """
 
 from __future__ import annotations
@@ -84,7 +66,8 @@ class WeightSyncConfig:
     engine_tp_size: int = 1
     """Each engine's TP size: SGLang payload copies (tensor mode), group ranks per engine (distributed)."""
     disk_dir: str = ""
-    """Disk mode: a directory every engine can read (required for mode=disk)."""
+    """Disk mode: a directory every engine can read, owned by weight sync (its `v*` entries are
+    replaced); required for mode=disk."""
     master_address: str = "127.0.0.1"
     """Distributed mode: the address at which the engines reach trainer rank 0."""
     master_port: int = 0
@@ -118,6 +101,8 @@ class WeightSyncConfig:
 
 @dataclass
 class SyncReport:
+    """What one sync did (rank 0); `metrics()` for the step's log."""
+
     version: str
     mode: str
     engines: list[str]
@@ -264,7 +249,7 @@ class WeightSync:
     async def _send_distributed(self, clients, buckets, version: str, report: SyncReport) -> None:
         group = self._group
         async for bucket in buckets:
-            names, tensors = list(bucket), list(bucket.values())
+            names, tensors = list(bucket), [t.contiguous() for t in bucket.values()]
             dtypes = [wt.dtype_name(t.dtype) for t in tensors]
             shapes = [list(t.shape) for t in tensors]
             announce = _each(clients, f"update_weights_from_distributed (bucket {report.num_buckets})",
@@ -275,11 +260,7 @@ class WeightSync:
     def _broadcast(self, group: Any, tensors: list[torch.Tensor]) -> None:
         if self._device is not None:
             torch.cuda.set_device(self._device)
-        if self._backend == "nccl":
-            for tensor in tensors:
-                torch.distributed.broadcast(tensor, src=0, group=group)
-        else:
-            wt.broadcast_tensors(group, tensors)
+        wt.broadcast_tensors(group, tensors)  # the ProcessGroup's own broadcast: gloo and NCCL alike
 
     async def _send_disk(self, clients, buckets, version: str, report: SyncReport) -> None:
         from safetensors.torch import load_file, save_file

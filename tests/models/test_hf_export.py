@@ -1,0 +1,128 @@
+"""The Megatron -> HF stream of live trainer chunks (models/hf_export.py): before training it
+reproduces the HF checkpoint bit for bit, after real optimizer steps it equals what
+`sao convert mcore-to-hf` writes from the trainer's checkpoint (actor and critic), on 1 rank and
+on 2 gloo ranks (EP2; TP2 slow), and buckets respect their byte budget on rank 0 only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_sao.platform import run_distributed
+
+BUCKET_BYTES = 50_000
+
+
+def export_step_convert(hf_dir: str, overrides: list[str], work: str) -> dict[str, Any]:
+    """Collective: export, one SAO step (critic K = 2 and one actor update), export again, save,
+    convert the saved actor and critic with the conversion job."""
+    from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
+    from megatron_sao.models.hf_export import HFWeightExporter, export_hf_state
+    from tests.training.trainer_worker import build_trainer
+    from tests.training.trajectories import random_trajectories
+
+    rank = torch.distributed.get_rank()
+    trainer = build_trainer(hf_dir, overrides)
+    before = {role: export_hf_state(r.chunks, hf_dir, role=role) for role, r in trainer.roles.items()}
+    metrics = trainer.train_step(random_trajectories(4, seed=0))
+    buckets = list(HFWeightExporter(trainer.actor.chunks, hf_dir).buckets(BUCKET_BYTES))
+    critic_after = export_hf_state(trainer.critic.chunks, hf_dir, role="critic")
+    iter_dir = trainer.save_checkpoint(Path(work) / "checkpoints", final=True)
+    converted = {}
+    for role in ("actor", "critic"):
+        out = Path(work) / f"hf_{role}"
+        convert_mcore_to_hf(McoreToHfRequest(mcore_dir=iter_dir / role, out_dir=out, hf_config_dir=Path(hf_dir),
+                                             role=role, progress=False))
+        converted[role] = out
+    if rank != 0:
+        return {"num_buckets": len(buckets)}
+    return {
+        "before": before, "buckets": buckets, "critic_after": critic_after, "actor_applied": metrics["actor/loss"],
+        "converted": {role: _read_dir(out) for role, out in converted.items()},
+    }
+
+
+def _read_dir(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))[:5]}"
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), f"{what}: {name} differs"
+
+
+def _check(result: dict[str, Any], hf_dir: Path, world: int) -> None:
+    hf = load_file(str(hf_dir / "model.safetensors"))
+    _assert_identical(result["before"]["actor"], hf, "actor before training vs the HF checkpoint")
+    critic = result["before"]["critic"]
+    hidden = hf["model.embed_tokens.weight"].shape[1]
+    _assert_identical({n: t for n, t in critic.items() if not n.startswith("score.")},
+                      {n: t for n, t in hf.items() if n != "lm_head.weight"}, "critic trunk vs the HF checkpoint")
+    assert critic["score.weight"].shape == (1, hidden) and torch.equal(critic["score.bias"], torch.zeros(1))
+
+    buckets = result["buckets"]
+    assert len(buckets) > 3
+    for bucket in buckets:
+        nbytes = sum(t.numel() * t.element_size() for t in bucket.values())
+        assert nbytes <= BUCKET_BYTES or len(bucket) == 1
+    after = {n: t for b in buckets for n, t in b.items()}
+    assert sum(len(b) for b in buckets) == len(after) == len(hf)
+    changed = [n for n in hf if not torch.equal(after[n], hf[n])]
+    assert len(changed) > len(hf) // 2, f"the actor step changed only {changed}"
+    _assert_identical(after, result["converted"]["actor"], f"actor after a step, {world} ranks, vs conversion")
+    _assert_identical(result["critic_after"], result["converted"]["critic"], "critic after a step vs conversion")
+
+
+@pytest.mark.timeout(600)
+def test_single_rank_stream_matches_checkpoint_then_conversion(tiny_hf_dir, tmp_path):
+    (result,) = run_distributed(export_step_convert, 1, str(tiny_hf_dir), [], str(tmp_path))
+    _check(result, tiny_hf_dir, 1)
+
+
+@pytest.mark.timeout(600)
+def test_expert_parallel_stream_matches_checkpoint_then_conversion(tiny_hf_dir, tmp_path):
+    results = run_distributed(export_step_convert, 2, str(tiny_hf_dir), ["parallelism.expert=2"], str(tmp_path))
+    _check(results[0], tiny_hf_dir, 2)
+    assert results[1] == {"num_buckets": 0}  # buckets are built on rank 0 only
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tensor_parallel_stream_matches_checkpoint_then_conversion(tiny_hf_dir, tmp_path):
+    results = run_distributed(export_step_convert, 2, str(tiny_hf_dir), ["parallelism.tensor=2"], str(tmp_path))
+    _check(results[0], tiny_hf_dir, 2)
+
+
+def test_exporter_refuses_a_directory_without_config(tmp_path):
+    from megatron_sao.models.hf_export import HFWeightExporter
+
+    with pytest.raises(ValueError, match=r"config\.json"):
+        HFWeightExporter([], tmp_path)
+    with pytest.raises(ValueError, match="role"):
+        HFWeightExporter([], tmp_path, role="reward")  # type: ignore[arg-type]
+
+
+def test_a_critic_checkpoint_is_read_through_a_causal_view(tiny_hf_dir, tmp_path):
+    import json
+    import shutil
+
+    from megatron_sao.checkpointing import critic_format as cf
+    from megatron_sao.models.hf_export import HFWeightExporter
+
+    critic_dir = shutil.copytree(tiny_hf_dir, tmp_path / "critic")
+    config = json.loads((critic_dir / "config.json").read_text())
+    (critic_dir / "config.json").write_text(json.dumps(cf.critic_config(config)))
+    exporter = HFWeightExporter([], critic_dir, role="critic")
+    view = exporter._view_root
+    assert exporter.hf_dir == critic_dir and view is not None and view.is_dir()
+    assert exporter.bridge.hf_pretrained.config.architectures == config["architectures"]
+    exporter.close()
+    assert not view.exists()
