@@ -23,7 +23,7 @@ find_python() {
 
 VENV=.venv
 STAMP="$VENV/.sao-installed"
-want=$(cat requirements.txt requirements-nodeps.txt constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-nodeps.txt requirements-test.txt constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(find_python) || { echo "error: megatron-sao needs Python >= 3.12 (megatron-core 0.19); none found. Set SAO_PYTHON=/path/to/python3.12" >&2; exit 1; }
@@ -36,6 +36,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -c constraints.txt -r requirements.txt
   "$VENV/bin/python" -m pip install --quiet --no-deps -r requirements-nodeps.txt
+  # test-only: SGLang's Python client without its GPU server stack (see requirements-test.txt)
+  "$VENV/bin/python" -m pip install --quiet --no-deps -r requirements-test.txt
   "$VENV/bin/python" -m pip install --quiet --no-deps -e .
   echo "$want" > "$STAMP"
 fi

@@ -30,8 +30,8 @@ def test_sglang_normalisation():
     "params, message",
     [
         ({"bogus": 1}, "unknown sampling_params"),
-        ({"n": 2}, "n=2 is not supported"),
-        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"n": 0}, "sampling_params.n must be in"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
         ({"json_schema": "{}"}, "json_schema"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": 0}, "top_k"),

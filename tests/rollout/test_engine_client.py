@@ -117,13 +117,13 @@ def test_batch_request_answers_a_list(engine):
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"input_ids": [1, 2], "stream": True}, "stream"),
+        ({"input_ids": [1, 2], "lora_path": "adapter"}, "lora_path"),
         ({"input_ids": [1, 2], "return_hidden_states": True}, "return_hidden_states"),
         ({"input_ids": []}, "empty"),
         ({"input_ids": [1], "text": "x"}, "exactly one"),
-        ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+        ({"input_ids": [1], "sampling_params": {"frequency_penalty": 5.0}}, "frequency_penalty"),
         ({"input_ids": list(range(300)) * 14}, "context length"),
-        ({"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
+        ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
         ({"input_ids": [1, 320]}, "vocabulary"),
     ],
 )
@@ -134,8 +134,8 @@ def test_unsupported_requests_get_sglangs_400_error(engine, body, message):
 
 
 def test_client_raises_engine_error_with_the_message(engine):
-    with pytest.raises(EngineError, match="stream") as info:
-        run(EngineClient(engine.url).generate([1, 2], {"max_new_tokens": 2}, stream=True))
+    with pytest.raises(EngineError, match="lora_path") as info:
+        run(EngineClient(engine.url).generate([1, 2], {"max_new_tokens": 2}, lora_path="adapter"))
     assert info.value.status_code == 400
 
 

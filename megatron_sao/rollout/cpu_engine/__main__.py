@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"),
         help="log-probs of the temperature-1 distribution (SGLang: SGLANG_RETURN_ORIGINAL_LOGPROB=1)",
     )
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="streamed chunks carry only what is new (SGLang's flag of the same name)")
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--log-file", default=None, help="where third-party output goes (see above)")
     parser.add_argument("-v", "--verbose", action="store_true", help="keep all output on the terminal")
@@ -62,6 +64,7 @@ def _config(args: argparse.Namespace) -> CPUEngineConfig:
         random_seed=args.random_seed,
         return_original_logprob=args.return_original_logprob,
         max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+        incremental_streaming_output=args.incremental_streaming_output,
     )
 
 

@@ -57,13 +57,20 @@ class ModelRunner:
         # so this bounds the characters any one token can stand for): sizes the text-prompt limit.
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
 
-    @torch.inference_mode()
     def prefill(self, sequences: Sequence[list[int]]) -> tuple[RowKVCache, torch.Tensor]:
         """Run `sequences` (token lists, >= 1 token each) through the model.
 
         Returns the new cache (all tokens cached, left-padded to the longest) and the float32
         logits [b, V] of each sequence's last token.
         """
+        cache, logits = self.prefill_last(sequences, 1)
+        return cache, logits[:, -1, :]
+
+    @torch.inference_mode()
+    def prefill_last(self, sequences: Sequence[list[int]], keep_last: int) -> tuple[RowKVCache, torch.Tensor]:
+        """`prefill`, keeping the float32 logits [b, keep_last, V] of the last `keep_last` columns
+        (prompt log-probs need them). Rows are left-padded: a row of n tokens has real logits in its
+        last min(n, keep_last) columns."""
         lengths = [len(s) for s in sequences]
         assert min(lengths) >= 1
         b, P = len(sequences), max(lengths)
@@ -81,9 +88,9 @@ class ModelRunner:
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep_last,
         )
-        return cache, out.logits[:, -1, :].float()
+        return cache, out.logits[:, -keep_last:, :].float()
 
     @torch.inference_mode()
     def decode(self, cache: RowKVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

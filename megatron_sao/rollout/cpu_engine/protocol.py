@@ -1,10 +1,12 @@
-"""SGLang's native `/generate` wire format: request parsing and response building.
+"""SGLang's native `/generate` request: parsing and validation into engine requests.
 
-Matched against SGLang's `GenerateReqInput` (python/sglang/srt/managers/io_struct.py) and the
-tokenizer manager's non-streaming answer `{"text", "output_ids", "meta_info"}` (sglang 0.5.x;
-`weight_versions` spans as in current SGLang main). Request fields this engine cannot honour are
-refused with a message naming them when they are set to anything but their neutral value; fields
-that do not change the result (`log_metrics`, `rid` of any shape SGLang accepts) are accepted.
+Matched against sglang 0.5.23's `GenerateReqInput` (python/sglang/srt/managers/io_struct.py) and
+its normalisation: single or batch prompts (`text` or `input_ids`), per-prompt or shared
+`sampling_params` and log-prob options, and `n > 1` expanded prompt-major (prompt 0's n samples,
+then prompt 1's), each sample under a fresh request id as SGLang's tokenizer manager does. Which
+request fields are honoured, accepted as metadata or refused: surface.py; sampling fields:
+sampling_params.py. The body is validated whole before anything is queued; answers: output.py
+and streaming.py.
 """
 
 from __future__ import annotations
@@ -15,28 +17,14 @@ from typing import Any
 
 import torch
 
+from megatron_sao.rollout.cpu_engine.logprobs import LogprobState
 from megatron_sao.rollout.cpu_engine.request import EngineRequest
-from megatron_sao.rollout.cpu_engine.sampling import SamplingConfig
+from megatron_sao.rollout.cpu_engine.sampling_params import SamplingConfig
+from megatron_sao.rollout.cpu_engine.stops import stop_window
+from megatron_sao.rollout.cpu_engine.surface import check_request_fields
 
-_ACCEPTED = {
-    "text",
-    "input_ids",
-    "sampling_params",
-    "rid",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "token_ids_logprob",
-    "return_text_in_logprobs",
-    "stream",
-    "log_metrics",
-    "session_id",
-    "custom_labels",
-    "priority",
-    "no_logs",
-}
 MAX_PROMPTS_PER_REQUEST = 1024
-"""Prompts one batch `/generate` call may carry."""
+"""Generations one `/generate` call may ask for (prompts x `n`)."""
 MAX_RID_CHARS = 256
 
 
@@ -44,6 +32,8 @@ MAX_RID_CHARS = 256
 class ParsedGenerate:
     requests: list[EngineRequest]
     is_batch: bool
+    """Answer a list (a batch of prompts, or n > 1) rather than one object."""
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,25 +137,62 @@ def _rids(body: dict[str, Any], num: int, is_batch: bool) -> list[str]:
     return rids
 
 
-def _check_unsupported(body: dict[str, Any]) -> None:
-    refused = sorted(str(k) for k, v in body.items() if k not in _ACCEPTED and v not in (None, False, [], {}, 0))
-    if refused:
-        raise ValueError(f"request field(s) {refused[:10]} are not supported by the CPU engine")
-    if _bool(body.get("stream"), "stream"):
-        raise ValueError("stream=true is not supported by the CPU engine")
-    start = body.get("logprob_start_len")
-    if start is not None and (not _is_int(start) or start != -1):
-        raise ValueError("logprob_start_len other than -1 (prompt log-probs) is not supported by the CPU engine")
-    if body.get("top_logprobs_num") not in (None, 0) or body.get("token_ids_logprob") not in (None, []):
-        raise ValueError("top_logprobs_num / token_ids_logprob are not supported by the CPU engine")
-    for name in ("log_metrics", "no_logs", "return_text_in_logprobs"):
-        _bool(body.get(name), name)
-    if body.get("priority") is not None and not _is_int(body["priority"]):
-        raise ValueError(f"priority must be an integer, got {_short(body['priority'])}")
-    for name, kind in (("session_id", str), ("custom_labels", dict)):
-        if body.get(name) is not None and not isinstance(body[name], kind):
-            raise ValueError(f"{name} must be a {'string' if kind is str else 'JSON object'}, "
-                             f"got {_short(body[name])}")
+def _logprob_state(body: dict[str, Any], num: int, is_batch: bool, n: int, prompts: list[list[int]],
+                   limits: PromptLimits) -> list[LogprobState | None]:
+    """Per prompt: the log-prob options when `return_logprob` is set (SGLang ignores the others
+    without it). With n > 1 the options must be one value for all prompts, as in SGLang."""
+    if n > 1:
+        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+            if isinstance(body.get(name), list):
+                raise ValueError(f"{name}: a list cannot be combined with sampling_params.n > 1")
+        token_ids = body.get("token_ids_logprob")
+        if isinstance(token_ids, list) and token_ids and isinstance(token_ids[0], list):
+            raise ValueError("token_ids_logprob: a list per prompt cannot be combined with sampling_params.n > 1")
+    flags = _per_prompt(body, "return_logprob", num, is_batch, _bool)
+    starts = _per_prompt(body, "logprob_start_len", num, is_batch, _int_at_least(-1))
+    tops = _per_prompt(body, "top_logprobs_num", num, is_batch, _int_at_least(0))
+    token_ids = _token_ids_logprob(body.get("token_ids_logprob"), num, is_batch, limits.vocab_size)
+    states: list[LogprobState | None] = []
+    for i in range(num):
+        if not flags[i]:
+            states.append(None)
+            continue
+        start = starts[i] if starts[i] is not None and starts[i] >= 0 else None
+        if start is not None and start > len(prompts[i]):
+            raise ValueError(f"logprob_start_len ({start}) is higher than the number of input tokens "
+                             f"({len(prompts[i])})")
+        top = tops[i] or 0
+        if top > limits.vocab_size:
+            raise ValueError(f"top_logprobs_num ({top}) exceeds the vocabulary size ({limits.vocab_size})")
+        states.append(LogprobState(start=start, top_n=top, token_ids=token_ids[i]))
+    return states
+
+
+def _int_at_least(low: int):
+    def check(value: Any, name: str) -> int | None:
+        if value is None:
+            return None
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {_short(value)}")
+        return value
+    return check
+
+
+def _token_ids_logprob(value: Any, num: int, is_batch: bool, vocab_size: int) -> list[list[int] | None]:
+    """`token_ids_logprob`: one list of ids for every prompt, or (batch) one list per prompt."""
+    if value is None or value == []:
+        return [None] * num
+    if not isinstance(value, list):
+        raise ValueError(f"token_ids_logprob must be a list of token ids, got {_short(value)}")
+    per_prompt = is_batch and isinstance(value[0], list)
+    lists = value if per_prompt else [value] * num
+    if len(lists) != num:
+        raise ValueError(f"token_ids_logprob: a list needs one entry per prompt ({num}), got {len(lists)}")
+    for ids in lists:
+        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"token_ids_logprob: token ids must be integers in [0, {vocab_size}), "
+                             f"got {_short(ids)}")
+    return [list(ids) or None for ids in lists]
 
 
 def parse_generate(body: Any, tokenizer, limits: PromptLimits) -> ParsedGenerate:
@@ -173,36 +200,54 @@ def parse_generate(body: Any, tokenizer, limits: PromptLimits) -> ParsedGenerate
     client-facing message naming the field. Never coerces a mistyped value."""
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
-    _check_unsupported(body)
+    check_request_fields(body)
+    stream = _bool(body.get("stream"), "stream")
+    with_text = _bool(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
+    with_prompt_ids = _bool(body.get("return_prompt_token_ids"), "return_prompt_token_ids")
+    for name in ("log_metrics", "no_logs"):
+        _bool(body.get(name), name)
     prompts, is_batch = _prompts(body, tokenizer, limits)
     num = len(prompts)
     sampling = body.get("sampling_params")
     if isinstance(sampling, list) and not is_batch:
         raise ValueError("a list of sampling_params needs a batch request of the same length")
     configs = _per_prompt(body, "sampling_params", num, is_batch, lambda v, n: _sampling(v, n))
+    n = configs[0].n
+    if any(c.n != n for c in configs):
+        raise ValueError("sampling_params.n must be the same for every prompt of a request")
+    if num * n > MAX_PROMPTS_PER_REQUEST:
+        raise ValueError(f"sampling_params.n: {num} prompts x n={n} exceeds {MAX_PROMPTS_PER_REQUEST} "
+                         "generations per request")
+    for i, config in enumerate(configs):
+        bad = [t for t in config.logit_bias if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise ValueError(f"sampling_params{f'[{i}]' if is_batch else ''}.logit_bias: token ids must be in "
+                             f"[0, {limits.vocab_size}), got {bad[:5]}")
     rids = _rids(body, num, is_batch)
-    flags = _per_prompt(body, "return_logprob", num, is_batch, _bool)
-    with_text = _bool(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
+    logprobs = _logprob_state(body, num, is_batch, n, prompts, limits)
     requests = []
     for i, ids in enumerate(prompts):
         config = configs[i]
-        generator = None
-        if config.sampling_seed is not None:
-            generator = torch.Generator().manual_seed(config.sampling_seed)
-        stop_window = max((len(tokenizer.encode(s, add_special_tokens=False)) for s in config.stop), default=0) + 1
-        requests.append(
-            EngineRequest(
-                rid=rids[i],
+        window = stop_window([len(tokenizer.encode(s, add_special_tokens=False)) for s in config.stop],
+                             config.stop_regex)
+        for _ in range(n):
+            generator = None
+            if config.sampling_seed is not None:
+                generator = torch.Generator().manual_seed(config.sampling_seed)
+            state = logprobs[i]
+            requests.append(EngineRequest(
+                rid=rids[i] if n == 1 else uuid.uuid4().hex,
                 input_ids=ids,
                 sampling=config,
                 max_new_tokens=min(config.max_new_tokens, limits.context_length - len(ids)),
-                return_logprob=flags[i],
+                return_logprob=state is not None,
                 return_text_in_logprobs=with_text,
+                logprobs=None if state is None else LogprobState(state.start, state.top_n, state.token_ids),
+                return_prompt_token_ids=with_prompt_ids,
                 generator=generator,
-                stop_window=stop_window,
-            )
-        )
-    return ParsedGenerate(requests, is_batch)
+                stop_window=window,
+            ))
+    return ParsedGenerate(requests, is_batch or n > 1, stream)
 
 
 def _sampling(value: Any, name: str) -> SamplingConfig:
@@ -213,42 +258,3 @@ def _sampling(value: Any, name: str) -> SamplingConfig:
         if name != "sampling_params":
             message = message.replace("sampling_params", name, 1)
         raise ValueError(message) from e
-
-
-def output_text(req: EngineRequest, tokenizer) -> str:
-    """SGLang's detokenised `text`: a matched stop token / string is trimmed unless
-    `no_stop_trim`; special tokens are skipped if `skip_special_tokens` (the default)."""
-    ids = req.output_ids
-    reason = req.finish_reason or {}
-    matched = reason.get("matched") if reason.get("type") == "stop" else None
-    if isinstance(matched, int) and not req.sampling.no_stop_trim:
-        ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=req.sampling.skip_special_tokens)
-    if isinstance(matched, str) and not req.sampling.no_stop_trim:
-        cut = text.find(matched)
-        if cut >= 0:
-            text = text[:cut]
-    return text
-
-
-def build_output(req: EngineRequest, tokenizer, current_version: str) -> dict[str, Any]:
-    spans = req.weight_version_spans(current_version)
-    meta: dict[str, Any] = {
-        "id": req.rid,
-        "finish_reason": req.finish_reason,
-        "prompt_tokens": len(req.input_ids),
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0,
-        "weight_version": spans[-1]["version"],
-        "weight_versions": spans,
-        "e2e_latency": req.finished_at - req.created_at,
-    }
-    if req.return_logprob:
-        if req.return_text_in_logprobs:
-            texts: list[str | None] = [tokenizer.decode([t]) for t in req.output_ids]
-        else:
-            texts = [None] * len(req.output_ids)
-        meta["output_token_logprobs"] = [
-            [lp, tok, txt] for lp, tok, txt in zip(req.output_logprobs, req.output_ids, texts, strict=True)
-        ]
-    return {"text": output_text(req, tokenizer), "output_ids": list(req.output_ids), "meta_info": meta}

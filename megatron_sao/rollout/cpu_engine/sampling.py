@@ -1,4 +1,4 @@
-"""Sampling parameters (SGLang's `sampling_params` dict) and the batched sampler.
+"""The batched sampler (request parameters: sampling_params.py; logit adjustments: penalties.py).
 
 Log-prob semantics, matched to SGLang's default (`python/sglang/srt/layers/sampler.py`): the
 returned log-prob of a sampled token is `log_softmax(logits / temperature)[token]`, i.e. of the
@@ -16,193 +16,16 @@ from — DIS compares the trainer's log-prob against it, so recipes that filter 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
+from megatron_sao.rollout.cpu_engine.sampling_params import SAMPLING_EPS, TOP_K_ALL, SamplingConfig
+
 logger = logging.getLogger(__name__)
-SAMPLING_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a temperature below this is greedy
-TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value (top_k = -1 on the wire)
-# Bounds that keep one request's stop handling cheap (each stop string is tokenised at admission
-# and searched for after every generated token).
-MAX_STOP_ENTRIES = 64
-MAX_STOP_CHARS = 1024
-
-# Fields SGLang's SamplingParams accepts that this engine implements.
-_SUPPORTED = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "sampling_seed",
-    "stream_interval",  # streaming-only; harmless on a non-streamed request
-}
-# Fields SGLang accepts that this engine accepts only at their neutral value.
-_NEUTRAL: dict[str, Any] = {
-    "n": 1,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "custom_params": None,
-    "logit_bias": None,
-}
-
-
-@dataclass(slots=True)
-class SamplingConfig:
-    """A validated `sampling_params` dict, normalised the way SGLang normalises it."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = TOP_K_ALL
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.top_k == 1
-
-    @property
-    def needs_filtering(self) -> bool:
-        return not self.greedy and (self.top_k < TOP_K_ALL or self.top_p < 1.0 or self.min_p > 0.0)
-
-    @classmethod
-    def from_request(cls, params: Any) -> SamplingConfig:
-        """Validate a wire dict whole. Raises ValueError naming the field for unknown fields, values of
-        the wrong JSON type (never coerced: `"0.7"` is not a number), non-finite or out-of-range
-        numbers, and SGLang features this engine does not implement."""
-        if params is None:
-            params = {}
-        if not isinstance(params, dict):
-            raise ValueError(f"sampling_params must be a JSON object, got {_json_type(params)}")
-        unknown = set(params) - _SUPPORTED - set(_NEUTRAL)
-        if unknown:
-            raise ValueError(f"unknown sampling_params field(s): {sorted(map(str, unknown))[:10]}")
-        for name, neutral in _NEUTRAL.items():
-            value = params.get(name, neutral)
-            if value is None or (neutral is None and not value):
-                continue
-            if type(value) is not type(neutral) and not (isinstance(neutral, float) and _is_int(value)):
-                raise ValueError(f"sampling_params.{name}={_short(value)} is not supported by the CPU engine")
-            if value != neutral:
-                raise ValueError(f"sampling_params.{name}={_short(value)} is not supported by the CPU engine")
-        cfg = cls()
-        if (v := _int(params, "max_new_tokens")) is not None:
-            if v < 0:
-                raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {v}")
-            cfg.max_new_tokens = v
-        if (f := _number(params, "temperature")) is not None:
-            if f < 0:
-                raise ValueError(f"sampling_params.temperature must be >= 0, got {f}")
-            cfg.temperature = f
-        if (f := _number(params, "top_p")) is not None:
-            if not 0.0 < f <= 1.0:
-                raise ValueError(f"sampling_params.top_p must be in (0, 1], got {f}")
-            cfg.top_p = f
-        if (v := _int(params, "top_k")) is not None:
-            if v != -1 and v < 1:
-                raise ValueError(f"sampling_params.top_k must be -1 or >= 1, got {v}")
-            cfg.top_k = TOP_K_ALL if v == -1 or v > TOP_K_ALL else v
-        if (f := _number(params, "min_p")) is not None:
-            if not 0.0 <= f <= 1.0:
-                raise ValueError(f"sampling_params.min_p must be in [0, 1], got {f}")
-            cfg.min_p = f
-        cfg.stop = _stop_strings(params.get("stop"))
-        stop_ids = params.get("stop_token_ids")
-        if stop_ids is not None:
-            if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_ENTRIES or not all(map(_is_int, stop_ids)):
-                raise ValueError(f"sampling_params.stop_token_ids must be a list of at most {MAX_STOP_ENTRIES} "
-                                 f"integers, got {_short(stop_ids)}")
-            cfg.stop_token_ids = list(stop_ids)
-        for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
-            value = params.get(flag)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"sampling_params.{flag} must be true or false, got {_short(value)}")
-            if value is not None and flag != "spaces_between_special_tokens":
-                setattr(cfg, flag, value)
-        _int(params, "stream_interval")
-        if (v := _int(params, "sampling_seed")) is not None:
-            if not 0 <= v < 2**63:
-                raise ValueError(f"sampling_params.sampling_seed must be in [0, 2**63), got {v}")
-            cfg.sampling_seed = v
-        if cfg.temperature < SAMPLING_EPS:  # SGLang: greedy is temperature 1 with top_k 1
-            cfg.temperature = 1.0
-            cfg.top_k = 1
-        return cfg
-
-
-def _json_type(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int(params: dict[str, Any], name: str) -> int | None:
-    """An integer field (JSON integer; a float with an integral value is accepted as JSON does not
-    tell 3 from 3.0), or None when absent."""
-    value = params.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if not _is_int(value):
-        raise ValueError(f"sampling_params.{name} must be an integer, got {_short(value)}")
-    return value
-
-
-def _number(params: dict[str, Any], name: str) -> float | None:
-    """A finite JSON number, or None when absent (NaN / Infinity / strings are refused)."""
-    value = params.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"sampling_params.{name} must be a number, got {_short(value)}")
-    if not math.isfinite(value):
-        raise ValueError(f"sampling_params.{name} must be finite, got {value}")
-    return float(value)
-
-
-def _stop_strings(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise ValueError(f"sampling_params.stop must be a string or a list of strings, got {_short(stop)}")
-    if len(stops) > MAX_STOP_ENTRIES or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise ValueError(f"sampling_params.stop: at most {MAX_STOP_ENTRIES} strings of at most {MAX_STOP_CHARS} "
-                         "characters each")
-    if any(not s for s in stops):
-        raise ValueError("sampling_params.stop strings must be non-empty")
-    return list(stops)
+__all__ = ["SAMPLING_EPS", "TOP_K_ALL", "BatchSamplingParams", "SamplingConfig", "sample_rows_isolated",
+           "sample_tokens", "step_logprobs"]
 
 
 @dataclass(slots=True)
@@ -315,3 +138,12 @@ def sample_rows_isolated(
         except Exception as e:
             results.append(e)
     return tokens, results
+
+
+def step_logprobs(logits: torch.Tensor, config: SamplingConfig, return_original_logprob: bool) -> torch.Tensor:
+    """The distribution [V] a sampled token's log-prob is read from (module docstring), for the
+    top-k / token-id entries of one row (`logits` [V], already adjusted)."""
+    logits = logits.float()
+    if not return_original_logprob and config.temperature != 1.0:
+        logits = logits / config.temperature
+    return torch.log_softmax(logits, dim=-1)

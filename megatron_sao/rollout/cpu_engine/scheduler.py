@@ -8,6 +8,7 @@ to the same thread and run between steps, so the model is never touched concurre
 update lands on a step boundary: requests in flight continue with their cached KV under the new
 weights and their later tokens carry the new version (SGLang's `pause_generation(in_place)` ->
 update -> `continue_generation` behaviour, recorded per token in `weight_versions` spans).
+What one step does with the model's logits (prompt log-probs, penalties, sampling) is steps.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from megatron_sao.rollout.cpu_engine.batching import SchedulerStats, length_grou
 from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
 from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.cpu_engine.request import EngineRequest, abort_reason
-from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams, sample_rows_isolated
+from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams
+from megatron_sao.rollout.cpu_engine.steps import needs_prefill, prefill, sample
+from megatron_sao.rollout.cpu_engine.stops import finish_reason
 from megatron_sao.rollout.cpu_engine.weights import HFWeightMap
 
 logger = logging.getLogger(__name__)
@@ -113,7 +116,7 @@ class Scheduler:
     def _add(self, request: EngineRequest) -> None:
         if request.rid in self._rids:
             raise ValueError(f"duplicate request id {request.rid!r}")
-        if request.max_new_tokens == 0:
+        if not needs_prefill(request):
             request.finish({"type": "length", "length": 0})
             return
         self._rids.add(request.rid)
@@ -288,17 +291,27 @@ class Scheduler:
                 self._fail_request(req, e)
 
     def _prefill(self, group: list[EngineRequest]) -> None:
-        sequences = [r.input_ids + r.output_ids for r in group]
-        cache, logits = self.runner.prefill(sequences)
+        cache, logits = prefill(self.runner, group)
+        num_rows = len(group)
         self.stats.num_prefills += 1
-        self.stats.prefill_tokens += sum(len(s) for s in sequences)
+        self.stats.prefill_tokens += sum(len(r.input_ids) + len(r.output_ids) for r in group)
+        live = []
+        for i, req in enumerate(group):
+            if len(req.output_ids) >= req.max_new_tokens:  # a prompt-only request (max_new_tokens 0)
+                self._finish(req, {"type": "length", "length": req.max_new_tokens})
+            else:
+                live.append(i)
+        if len(live) < len(group):
+            group, logits = [group[i] for i in live], logits[live]
+        if not group:
+            return
         params = BatchSamplingParams.build([r.sampling for r in group])
         tokens, logprobs = self._sample(logits, params, group)
         keep = self._append_and_check(group, tokens, logprobs)
         if not keep:
             return
-        if len(keep) < len(group):
-            cache.select_rows(keep)
+        if len(keep) < num_rows:  # rows of the prefilled batch (finished ones dropped)
+            cache.select_rows([live[i] for i in keep])
         kept = [group[i] for i in keep]
         positions = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in kept], dtype=torch.long)
         if self._cache is None or not self._running:
@@ -326,10 +339,8 @@ class Scheduler:
     def _sample(
         self, logits: torch.Tensor, params: BatchSamplingParams, requests: list[EngineRequest]
     ) -> tuple[torch.Tensor, list[float | BaseException]]:
-        return sample_rows_isolated(
-            logits, params, [r.sampling for r in requests], [r.generator for r in requests],
-            self.global_generator, self.return_original_logprob,
-        )
+        return sample(logits, params, requests, self.runner.eos_token_ids, self.global_generator,
+                      self.return_original_logprob)
 
     def _append_and_check(
         self, requests: list[EngineRequest], tokens: torch.Tensor, logprobs: list[float | BaseException]
@@ -344,27 +355,13 @@ class Scheduler:
                 self._fail_request(req, logprobs[i])  # type: ignore[arg-type]
                 continue
             req.append(token_list[i], logprobs[i], version)  # type: ignore[arg-type]
-            reason = self._finish_reason(req)
+            reason = finish_reason(req, self.runner.eos_token_ids, self.runner.tokenizer)
             if reason is None:
                 keep.append(i)
             else:
                 self._finish(req, reason)
         self.stats.generated_tokens += len(requests)
         return keep
-
-    def _finish_reason(self, req: EngineRequest) -> dict[str, Any] | None:
-        """SGLang's `Req.check_finished` order: length first, then stop tokens, then strings."""
-        if len(req.output_ids) >= req.max_new_tokens:
-            return {"type": "length", "length": req.max_new_tokens}
-        last = req.output_ids[-1]
-        if not req.sampling.ignore_eos and (last in req.sampling.stop_token_ids or last in self.runner.eos_token_ids):
-            return {"type": "stop", "matched": last}
-        if req.sampling.stop:
-            tail = self.runner.tokenizer.decode(req.output_ids[-req.stop_window :])
-            for stop in req.sampling.stop:
-                if stop in tail:
-                    return {"type": "stop", "matched": stop}
-        return None
 
     def _finish(self, req: EngineRequest, reason: dict[str, Any]) -> None:
         self._rids.discard(req.rid)

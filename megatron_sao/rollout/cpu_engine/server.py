@@ -1,8 +1,9 @@
 """The CPU engine's HTTP server: SGLang's native endpoints over the scheduler.
 
 Endpoints, request bodies and response shapes follow SGLang's `http_server.py` and
-`io_struct.py` (sglang 0.5.x); see docs/rollout.md for the list and for the differences (no
-streaming, no prompt log-probs, no prefix cache, tensor payloads in safetensors form). Errors
+`io_struct.py` (sglang 0.5.23); see docs/rollout.md for what is honoured and what is refused (no
+constrained decoding, LoRA or multimodal inputs; no prefix cache; tensor payloads in safetensors
+form). Errors
 come back as SGLang's `{"error": {"message": ...}}`: 400 bad input, 413 too large, 503 stopping
 (http_io.py). `/generate` bodies are parsed, tokenised and answered on one worker thread, off the
 event loop, so health checks answer while a large request is read.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from megatron_sao.rollout.cpu_engine.http_io import (
     EngineStopping,
@@ -31,10 +31,12 @@ from megatron_sao.rollout.cpu_engine.http_io import (
     register_error_handlers,
 )
 from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner, parse_dtype
-from megatron_sao.rollout.cpu_engine.protocol import PromptLimits, build_output, parse_generate
+from megatron_sao.rollout.cpu_engine.output import build_output
+from megatron_sao.rollout.cpu_engine.protocol import PromptLimits, parse_generate
 from megatron_sao.rollout.cpu_engine.request import EngineRequest
 from megatron_sao.rollout.cpu_engine.sampling import SamplingConfig
 from megatron_sao.rollout.cpu_engine.scheduler import Scheduler
+from megatron_sao.rollout.cpu_engine.streaming import stream_answers
 from megatron_sao.rollout.cpu_engine.weight_routes import register_weight_routes
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,9 @@ class CPUEngineConfig:
     """Return temperature-1 log-probs (SGLang: SGLANG_RETURN_ORIGINAL_LOGPROB=1)."""
     max_request_bytes: int = 64 * 1024 * 1024
     """Largest request body read (413 beyond): bounds the memory and parse time of one request."""
+    incremental_streaming_output: bool = False
+    """Streamed chunks carry only what is new (SGLang's --incremental-streaming-output); the default
+    is SGLang's default, cumulative chunks (streaming.py)."""
 
 
 class CPUEngine:
@@ -140,6 +145,10 @@ def create_app(engine: CPUEngine) -> FastAPI:
         parsed = await off_loop(lambda: parse_generate(body, tok, engine.limits))
         if not sched.alive:
             raise EngineStopping("the CPU engine is shutting down")
+        if parsed.stream:
+            events = stream_answers(parsed.requests, sched, tok, parsed.is_batch, off_loop, http.is_disconnected,
+                                    incremental=engine.config.incremental_streaming_output)
+            return StreamingResponse(events, media_type="text/event-stream")
         for req in parsed.requests:
             sched.submit(req)
         try:
@@ -250,45 +259,3 @@ def create_app(engine: CPUEngine) -> FastAPI:
 
     register_weight_routes(app, engine, on_scheduler)
     return app
-
-
-class ServerThread:
-    """Run a CPU engine's uvicorn server on a background thread (tests, benchmarks, the demo).
-
-    `with ServerThread(config) as server: ... server.url` — the engine is stopped on exit.
-    """
-
-    def __init__(self, config: CPUEngineConfig) -> None:
-        import uvicorn
-
-        self.engine = CPUEngine(config)
-        self.app = create_app(self.engine)
-        uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning", lifespan="off",
-                                   timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(uv_config)
-        self._thread = threading.Thread(target=self.server.run, name="cpu-engine-http", daemon=True)
-        self.url = f"http://{config.host}:{config.port}"
-
-    def start(self, timeout_s: float = 30.0) -> ServerThread:
-        self.engine.start()
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the CPU engine HTTP server did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.engine.scheduler.request_stop()  # in-flight requests are answered (503) before the server goes
-        self.server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-        self.engine.stop()
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
