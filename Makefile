@@ -6,15 +6,20 @@ export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup demo demo-engine test test-slow lint clean
+.PHONY: setup demo demo-recorded demo-engine test test-slow lint clean
 
 setup:
 	@bash tools/setup_env.sh
 
-# Main job on the embedded default: the tiny MoE on CPU (recipes/tiny_cpu.yaml), trained on
-# recorded trajectories of a scripted task (written first; kept when already up to date).
-DEMO_TRAJECTORIES := checkpoints/tiny-qwen3-moe/scripted.parquet
+# Main job on the embedded default (recipes/tiny_cpu.yaml): the whole recipe on the tiny MoE, CPU:
+# convert -> SFT on demonstrations -> value pretraining -> SAO through CPU rollout engines ->
+# held-out evaluation (last line: `held-out success: sft=... sao=... (N prompts)`).
 demo: setup
+	$(VENV)/bin/sao demo recipes/tiny_cpu.yaml
+
+# The trainer alone on recorded trajectories of a scripted task (written first; kept when up to date).
+DEMO_TRAJECTORIES := checkpoints/tiny-qwen3-moe/scripted.parquet
+demo-recorded: setup
 	$(VENV)/bin/python tools/make_scripted_trajectories.py --recipe recipes/tiny_cpu.yaml --out $(DEMO_TRAJECTORIES) --num 512 --seed 0
 	$(VENV)/bin/sao train recipes/tiny_cpu.yaml
 

@@ -110,9 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     describe.set_defaults(func=_cmd_config_describe)
 
     from megatron_sao.checkpointing.convert_cli import add_convert_parser
+    from megatron_sao.jobs.demo import add_demo_parser
     from megatron_sao.jobs.launch import add_launch_parser
     from megatron_sao.jobs.plan import add_plan_parser
 
+    add_demo_parser(sub)
     add_convert_parser(sub)
     add_plan_parser(sub)
     add_launch_parser(sub)
