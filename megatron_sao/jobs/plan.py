@@ -24,7 +24,7 @@ def build_plan(recipe: str, overrides: list[str], gpu_name: str | None = None, a
     from megatron_sao.planning.report import plan_dict, plan_text
 
     config = load_config(recipe, overrides)
-    gpu = gpu_spec(gpu_name or getattr(config.launcher, "gpu_type", "") or DEFAULT_GPU)
+    gpu = gpu_spec(gpu_name or config.launcher.gpu_type or DEFAULT_GPU)
     hf = load_hf_config(config.model)
     census = census_from_hf_config(hf)
     validate_against_model(config, {
@@ -68,7 +68,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("recipe", help="recipe YAML file (see recipes/)")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. launcher.nnodes=1")
     plan.add_argument("--gpu", choices=sorted(GPUS), default=None,
-                      help=f"GPU to plan for (default: launcher.gpu_type if the config has it, else {DEFAULT_GPU})")
+                      help=f"GPU to plan for (default: the recipe's launcher.gpu_type, else {DEFAULT_GPU})")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--avg-tokens", type=int, default=None,
                       help="assumed mean trajectory length for the compute estimate (default: "

@@ -214,6 +214,10 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
         raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
     elif not Path(config.data.trajectories_path).is_file():
         raise ValueError(f"data.trajectories_path={config.data.trajectories_path}: no such file")
+    if config.launcher.kind == "slurm":  # inside a Slurm job: the ranks are srun tasks on every node
+        from megatron_sao.jobs.train_multinode import run_train_srun
+
+        return run_train_srun(config, mode)
     if config.launcher.kind != "local" or config.launcher.nnodes != 1:
         raise NotImplementedError("multi-node / Slurm launch is the Slurm-launchers issue; "
                                   "set launcher.kind=local launcher.nnodes=1")

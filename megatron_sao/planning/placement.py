@@ -39,7 +39,7 @@ def gpu_layout(config: SaoConfig) -> GpuLayout:
     trainers = trainer_world_size(config)
     per_engine = rollout.sglang.tensor if rollout.engine == "sglang" else 0
     engines = rollout.num_engines * per_engine
-    wanted = getattr(launcher, "engine_placement", "auto")
+    wanted = launcher.engine_placement
     if trainers > total:
         raise ConfigError(f"parallelism.world_size = {trainers} trainer GPUs but launcher.nnodes x "
                           f"launcher.nproc_per_node = {launcher.nnodes} x {launcher.nproc_per_node} = {total}")

@@ -21,6 +21,9 @@ from megatron_sao.platform.slurm import PortBlock
 
 # Offsets in the job's port block (the rest: torch.distributed master, engines, see jobs/launch.py).
 GCS = 0
+ENGINE_RESOURCE = "sao_engine"
+"""Custom Ray resource (1 per node) of the nodes a heterogeneous job gives to rollout engines, so
+that engines can be placed there and nothing else is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,8 @@ class RayNodeSpec:
     """Per job (Ray keeps one session directory per host; it must not be another job's)."""
     worker_ports: tuple[int, int]
     """Ports for Ray's worker processes, a per-job slice so jobs sharing a node do not collide."""
+    engine_node: bool = False
+    """An engine node of a heterogeneous job: offers ENGINE_RESOURCE."""
 
 
 def head_command(ip: str, ports: PortBlock, spec: RayNodeSpec) -> list[str]:
@@ -46,8 +51,9 @@ def worker_command(ip: str, head_address: str, ports: PortBlock, spec: RayNodeSp
 
 def _common(ports: PortBlock, spec: RayNodeSpec) -> list[str]:
     # Node- and object-manager ports stay 0 (Ray picks free ones): emulated nodes share a host.
+    resources = [f'--resources={{"{ENGINE_RESOURCE}": 1}}'] if spec.engine_node else []
     return [f"--num-cpus={spec.num_cpus}", f"--num-gpus={spec.num_gpus}", f"--temp-dir={spec.temp_dir}",
-            f"--min-worker-port={spec.worker_ports[0]}", f"--max-worker-port={spec.worker_ports[1]}"]
+            f"--min-worker-port={spec.worker_ports[0]}", f"--max-worker-port={spec.worker_ports[1]}", *resources]
 
 
 def worker_port_range(ports: PortBlock, width: int = 56) -> tuple[int, int]:
@@ -61,11 +67,15 @@ class JoinTimeout(RuntimeError):
     """Not every expected node joined in time."""
 
 
-def check_nodes(nodes: list[dict], expected: int, cpus_per_node: int, gpus_per_node: int) -> str | None:
-    """None when `nodes` (ray.nodes()) has `expected` alive nodes with the resources asked for,
-    else what is missing."""
+def check_nodes(nodes: list[dict], expected: int, cpus_per_node: int, gpus_per_node: int,
+                engine_nodes: int = 0) -> str | None:
+    """None when `nodes` (ray.nodes()) has `expected` alive nodes with the resources asked for
+    (`engine_nodes` of them offering ENGINE_RESOURCE), else what is missing."""
     alive = [n for n in nodes if n.get("Alive")]
     problems = []
+    engines = sum(1 for n in alive if n.get("Resources", {}).get(ENGINE_RESOURCE, 0) > 0)
+    if engines != engine_nodes:
+        problems.append(f"{engines} engine nodes ({ENGINE_RESOURCE}) joined, expected {engine_nodes}")
     if len(alive) < expected:
         problems.append(f"{len(alive)} of {expected} nodes joined "
                         f"({', '.join(sorted(n.get('NodeManagerAddress', '?') for n in alive)) or 'none'})")
@@ -78,7 +88,7 @@ def check_nodes(nodes: list[dict], expected: int, cpus_per_node: int, gpus_per_n
 
 
 def wait_for_nodes(address: str, expected: int, cpus_per_node: int, gpus_per_node: int,
-                   timeout_s: float, poll_s: float = 2.0) -> list[dict]:
+                   timeout_s: float, poll_s: float = 2.0, engine_nodes: int = 0) -> list[dict]:
     """Block until the Ray cluster at `address` is complete; JoinTimeout with what is missing."""
     import ray
 
@@ -89,7 +99,7 @@ def wait_for_nodes(address: str, expected: int, cpus_per_node: int, gpus_per_nod
             if not ray.is_initialized():
                 ray.init(address=address, log_to_driver=False, logging_level="ERROR")
             nodes = ray.nodes()
-            problem = check_nodes(nodes, expected, cpus_per_node, gpus_per_node)
+            problem = check_nodes(nodes, expected, cpus_per_node, gpus_per_node, engine_nodes)
             if problem is None:
                 return nodes
         except ConnectionError as e:
@@ -107,6 +117,7 @@ def _main(argv: list[str] | None = None) -> int:
     wait.add_argument("--cpus-per-node", type=int, default=1)
     wait.add_argument("--gpus-per-node", type=int, default=0)
     wait.add_argument("--timeout", type=float, default=300.0)
+    wait.add_argument("--engine-nodes", type=int, default=0, help=f"nodes that must offer {ENGINE_RESOURCE}")
     start = sub.add_parser("start", help="exec `ray start` (head or worker) in the foreground")
     start.add_argument("--head-address", default="", help="IP:PORT of the head; empty: start the head")
     start.add_argument("--ip", required=True)
@@ -115,12 +126,13 @@ def _main(argv: list[str] | None = None) -> int:
     start.add_argument("--num-cpus", type=int, required=True)
     start.add_argument("--num-gpus", type=int, default=0)
     start.add_argument("--temp-dir", required=True)
+    start.add_argument("--engine-node", action="store_true", help=f"offer the {ENGINE_RESOURCE} resource")
     args = parser.parse_args(argv)
     if args.cmd == "start":
         import os
 
         ports = PortBlock(args.first_port, args.port_count)
-        spec = RayNodeSpec(args.num_cpus, args.num_gpus, args.temp_dir, worker_port_range(ports))
+        spec = RayNodeSpec(args.num_cpus, args.num_gpus, args.temp_dir, worker_port_range(ports), args.engine_node)
         cmd = (worker_command(args.ip, args.head_address, ports, spec) if args.head_address
                else head_command(args.ip, ports, spec))
         beside = os.path.join(os.path.dirname(sys.executable), "ray")  # the venv's, when not on PATH
@@ -128,12 +140,14 @@ def _main(argv: list[str] | None = None) -> int:
         print("sao: " + " ".join(cmd), flush=True)
         os.execvp(cmd[0], cmd)
     try:
-        nodes = wait_for_nodes(args.address, args.nodes, args.cpus_per_node, args.gpus_per_node, args.timeout)
+        nodes = wait_for_nodes(args.address, args.nodes, args.cpus_per_node, args.gpus_per_node, args.timeout,
+                               engine_nodes=args.engine_nodes)
     except JoinTimeout as e:
         print(f"sao: {e}", file=sys.stderr, flush=True)
         return 3
-    print(f"sao: Ray cluster complete: {len(nodes)} nodes "
-          + ", ".join(sorted(n["NodeManagerAddress"] for n in nodes if n.get("Alive"))), flush=True)
+    alive = [n for n in nodes if n.get("Alive")]
+    print(f"sao: Ray cluster complete: {len(alive)} nodes " + ", ".join(sorted(n["NodeManagerAddress"] for n in alive))
+          + (f" ({args.engine_nodes} engine nodes)" if args.engine_nodes else ""), flush=True)
     return 0
 
 

@@ -16,8 +16,8 @@ from megatron_sao.platform.slurm import expand_hostlist, job_port_block, node_ip
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
-def _dry_run(recipe: Path, tmp_path: Path, *flags: str) -> str:
-    assert main(["launch", "slurm", str(recipe), f"run.output_dir={tmp_path}", "--dry-run", *flags]) == 0
+def _dry_run(recipe: Path, tmp_path: Path, *flags: str, overrides: tuple[str, ...] = ()) -> str:
+    assert main(["launch", "slurm", str(recipe), f"run.output_dir={tmp_path}", *overrides, "--dry-run", *flags]) == 0
     script = next(tmp_path.glob("*/launch/sao_job.sbatch"))
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     return script.read_text()
@@ -90,3 +90,52 @@ def test_join_barrier_names_what_is_missing() -> None:
     assert check_nodes([node, {**node, "NodeManagerAddress": "10.0.0.3"}], 2, 8, 8) is None
     assert "1 of 2 nodes joined (10.0.0.1)" in check_nodes([node], 2, 8, 8)
     assert "10.0.0.2 has CPU=8 GPU=4" in check_nodes([node, weak], 2, 8, 8)
+
+
+def test_launcher_fields_come_from_the_recipe_and_flags_override_them(tmp_path: Path) -> None:
+    text = _dry_run(RECIPES / "qwen3_30b_a3b_math_sao.yaml", tmp_path, "--interface", "ib0", "--port-range",
+                    "40000-40999", "--join-timeout", "77", "--requeue")
+    assert "NET_IFACE=ib0\n" in text and "PORT_RANGE=40000-40999\n" in text and "JOIN_TIMEOUT=77\n" in text
+    assert "REQUEUE=1\n" in text and "#SBATCH --requeue\n" in text
+    config = (tmp_path / "qwen3_30b_a3b_math_sao" / "launch" / "config.yaml").read_text()
+    assert "network_interface: ib0" in config and "join_timeout_s: 77" in config and "requeue: true" in config
+    recipe_only = _dry_run(RECIPES / "qwen3_30b_a3b_math_sao.yaml", tmp_path / "b",
+                           overrides=("launcher.port_range=41000-41999", "launcher.join_timeout_s=12"))
+    assert "PORT_RANGE=41000-41999\n" in recipe_only and "JOIN_TIMEOUT=12\n" in recipe_only
+    assert "REQUEUE=0\n" in recipe_only and "#SBATCH --no-requeue\n" in recipe_only
+
+
+def test_trainer_commands_run_their_ranks_as_srun_tasks(tmp_path: Path) -> None:
+    train = _dry_run(RECIPES / "tiny_cpu.yaml", tmp_path, "--nodes", "2")
+    assert "-m megatron_sao.jobs.train_multinode train " in train and "#SBATCH --ntasks-per-node=2\n" in train
+    pretrain = _dry_run(RECIPES / "tiny_cpu.yaml", tmp_path / "b", "--command", "value-pretrain train")
+    assert "-m megatron_sao.cli value-pretrain train " in pretrain
+    convert = _dry_run(RECIPES / "tiny_cpu.yaml", tmp_path / "c", "--nodes", "2", "--command",
+                       "convert hf-to-mcore --hf /ckpt/hf --out /ckpt/mcore --ep 4")
+    assert ("DRIVER=(srun --overlap --nodes=2 --ntasks=4 --ntasks-per-node=2 --kill-on-bad-exit=1 " in convert
+            and "-m megatron_sao.cli convert hf-to-mcore --hf /ckpt/hf --out /ckpt/mcore --ep 4)" in convert)
+
+
+def test_engines_on_another_partition_make_a_heterogeneous_job(tmp_path: Path) -> None:
+    text = _dry_run(RECIPES / "deepseek_v3_671b_math_sao.yaml", tmp_path, "--partition", "train",
+                    "--engine-partition", "infer")
+    head, _, engines = text.partition("#SBATCH hetjob\n")
+    assert "#SBATCH --nodes=32\n" in head and "#SBATCH --partition=train\n" in head  # 256 trainer GPUs
+    assert engines.startswith("#SBATCH --nodes=16\n#SBATCH --ntasks-per-node=1\n#SBATCH --partition=infer\n")
+    assert "HET=1\n" in text
+
+
+def test_a_heterogeneous_job_needs_engine_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "slurm", str(RECIPES / "tiny_cpu.yaml"), f"run.output_dir={tmp_path}", "--dry-run",
+                 "--engine-partition", "cpu"]) == 2
+    assert "0 engine nodes" in capsys.readouterr().err
+    assert main(["launch", "slurm", str(RECIPES / "tiny_cpu.yaml"), f"run.output_dir={tmp_path}", "--dry-run",
+                 "--engine-nodes", "1"]) == 2
+
+
+def test_container_mounts_from_the_recipe_are_added(tmp_path: Path) -> None:
+    image = tmp_path / "sao.sqsh"
+    image.write_bytes(b"")
+    text = _dry_run(RECIPES / "qwen3_30b_a3b_math_sao.yaml", tmp_path, "--container", str(image),
+                    overrides=("launcher.container_mounts=[/scratch:/data]",))
+    assert ",/scratch:/data" in text

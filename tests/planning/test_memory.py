@@ -27,9 +27,20 @@ STATED_GPU = {
 }
 
 
-def test_every_shipped_scale_recipe_is_listed() -> None:
-    shipped = {p.name for p in RECIPES.glob("*.yaml")} - {"tiny_cpu.yaml"}
+def test_every_shipped_scale_recipe_is_listed_and_states_its_gpu_type() -> None:
+    shipped = {p.name for p in RECIPES.glob("*.yaml") if not p.name.startswith("tiny_")}  # tiny_*: CPU recipes
     assert shipped == set(STATED_GPU)
+    from megatron_sao.config import load_config
+
+    for name, gpu in STATED_GPU.items():
+        assert load_config(str(RECIPES / name), []).launcher.gpu_type == gpu, name
+
+
+def test_plan_defaults_to_the_recipes_gpu_type() -> None:
+    plan, _ = build_plan(str(RECIPES / "deepseek_v3_671b_math_sao.yaml"), [])
+    assert plan["gpu"] == "h200-141g"
+    plan, _ = build_plan(str(RECIPES / "deepseek_v3_671b_math_sao.yaml"), ["launcher.gpu_type=b200-180g"])
+    assert plan["gpu"] == "b200-180g"
 
 
 @pytest.mark.parametrize("name", sorted(STATED_GPU))

@@ -1,0 +1,93 @@
+"""`sao train` / `sao sft` inside a Slurm allocation: one trainer rank per srun task, on every node.
+
+`jobs.train.run_train` spawns its ranks on the local machine; in a Slurm job the ranks are the
+tasks of one srun step instead (`platform.srun.run_srun`: `launcher.nproc_per_node` per node, as
+many nodes as `parallelism.world_size` needs). The driver here (on the job's first node) does what
+must happen once, before any rank starts (resolve the checkpoint to resume from, write the run
+directory's config, check the layout against the model), then every task runs
+`jobs.train.train_rank`, the same function the local ranks run: same checkpoints, metrics and
+exit codes (143 after a signal-triggered checkpoint).
+
+The job script of `sao launch slurm` runs it as the driver for `--command train|sft`:
+
+    python -m megatron_sao.jobs.train_multinode {train|sft} CONFIG.yaml [overrides]
+
+with MASTER_ADDR / MASTER_PORT exported (the head's advertised IP, a port of the job's block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_sao.config.schema import SaoConfig
+
+
+def run_train_srun(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int, dict[str, Any], Path]:
+    """`run_train` for a Slurm allocation (launcher.kind=slurm, any launcher.nnodes). Returns
+    (exit code, rank 0's result, run directory)."""
+    from megatron_sao.config.validate import trainer_world_size
+    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, resolve_resume, train_rank
+    from megatron_sao.models.build import check_layout_fits_model
+    from megatron_sao.platform.srun import run_srun
+    from megatron_sao.utils.run_logging import prepare_run_dir, run_dir_of
+
+    if mode == "rl" and config.rollout.source == "engine":  # rank 0 hosts the engines (pipeline/engine_source.py)
+        if not Path(config.data.train_path).is_file():
+            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
+                             "rolls out the prompts of data.train_path)")
+    elif not config.data.trajectories_path or not Path(config.data.trajectories_path).is_file():
+        raise ValueError(f"data.trajectories_path={config.data.trajectories_path!r}: no such file")
+    run_dir = run_dir_of(config).resolve()
+    resume_from = resolve_resume(config, run_dir)
+    if resume_from is not None:
+        resume_step = int(resume_from.name.removeprefix("iter_"))
+        if resume_step >= config.run.total_steps:
+            print(f"run {run_dir} is complete: checkpoint {resume_from} is at step {resume_step} >= "
+                  f"run.total_steps={config.run.total_steps}; raise run.total_steps to train on", flush=True)
+            return 0, {"step": resume_step, "stopped": False, "metrics": {}}, run_dir
+        print(f"resuming from {resume_from}", flush=True)
+        prepare_run_dir(config, resume_step=resume_step)
+    else:
+        prepare_run_dir(config)
+    check_layout_fits_model(config)
+    world = trainer_world_size(config)
+    print(f"run directory: {run_dir}; {world} trainer ranks as srun tasks, "
+          f"{min(world, config.launcher.nproc_per_node)} per node", flush=True)
+    result = run_srun(train_rank, world, config, str(run_dir), mode, str(resume_from) if resume_from else None,
+                      ntasks_per_node=config.launcher.nproc_per_node, work_dir=run_dir / "launch")[0]
+    return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
+
+
+def _run(args: argparse.Namespace) -> int:
+    from megatron_sao.config import load_config
+
+    mode: Literal["rl", "sft"] = "sft" if args.job == "sft" else "rl"
+    code, result, run_dir = run_train_srun(load_config(args.recipe, args.overrides), mode)
+    metrics = result.get("metrics") or {}
+    shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in ("actor/loss", "critic/value_loss", "critic/explained_variance",
+                                                          "train/reward_mean") if k in metrics)
+    how = "stopped by a signal after its checkpoint; rerun to resume" if result.get("stopped") else "finished"
+    print(f"{mode} {how} at step {result['step']} ({run_dir}){': ' + shown if shown else ''}", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes as `sao train` (docs/exit-codes.md)."""
+    from megatron_sao.checkpointing.console import run_command
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_sao.jobs.train_multinode",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("job", choices=("train", "sft"))
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_command(f"sao {args.job}", _run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
