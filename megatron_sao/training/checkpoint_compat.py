@@ -37,7 +37,8 @@ def _dist_optimizers(optimizer: Any) -> list[Any]:
 
 
 def prime_for_loading(optimizer: Any) -> None:
-    """Zero Adam state with step 0 in never-stepped distributed optimizers (all overwritten by the load)."""
+    """Zero Adam state with step 0 in never-stepped distributed optimizers: what Adam's first step
+    creates anyway, so saving one (critic warmup) or loading into one changes nothing else."""
     if not _without_te():
         return
     for inner in _dist_optimizers(optimizer):

@@ -40,8 +40,10 @@ def optimizer_format(optimizer: Any) -> str:
 
 
 def sharded_optimizer_state(optimizer: Any, model_state: dict[str, Any], is_loading: bool) -> dict[str, Any]:
-    if is_loading:
-        compat.prime_for_loading(optimizer)
+    # A never-stepped optimizer (the actor during critic warmup, or before a load) has no Adam
+    # state and Megatron's `state_dict()` asserts on it: give it the zero state with step 0 that
+    # Adam's first step would create (so training continues bit for bit as without the save).
+    compat.prime_for_loading(optimizer)
     return optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=optimizer_metadata())
 
 

@@ -144,3 +144,19 @@ def test_sft_checkpoint_starts_rl(tmp_path, tiny_hf_dir, trajectories_file):
     assert len(model_keys) == len(loaded)
     assert all(torch.equal(loaded[k].to(saved[k].dtype), saved[k]) for k in model_keys)
     assert any(not torch.equal(fresh[k], loaded[k]) for k in model_keys)
+
+
+@pytest.mark.timeout(900)
+def test_checkpoint_during_critic_warmup_resumes_exactly(tmp_path, tiny_hf_dir, trajectories_file):
+    """The actor's optimizer has never stepped when a checkpoint is taken in critic warmup."""
+    warm = ["critic.warmup_steps=2", "checkpoint.save_every=1"]
+    assert run_train(_config(tmp_path, tiny_hf_dir, trajectories_file, "warm_straight", "run.total_steps=3",
+                             *warm))[0] == 0
+    assert run_train(_config(tmp_path, tiny_hf_dir, trajectories_file, "warm_resumed", "run.total_steps=1",
+                             *warm))[0] == 0
+    assert run_train(_config(tmp_path, tiny_hf_dir, trajectories_file, "warm_resumed", "run.total_steps=3",
+                             *warm))[0] == 0
+    a, b = tmp_path / "warm_straight/checkpoints/iter_0000003", tmp_path / "warm_resumed/checkpoints/iter_0000003"
+    for role in ("actor", "critic"):
+        ta, tb = _tensors(a, role, tmp_path), _tensors(b, role, tmp_path)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), role
