@@ -9,10 +9,11 @@ posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memor
    tensor list from transformers, data random, written tensor by tensor);
 2. sequential read of its safetensors files (16 MB reads): the disk's read speed R; and, for
    context, a sequential write of as many bytes with fsync (conversions write what they read);
-3. `hf-to-mcore` (TP1 unless --tp/--ep/--pp, on --nproc ranks): throughput = HF bytes / seconds;
-4. `mcore-to-hf` of the result: throughput = HF bytes / seconds;
-and prints each throughput as a fraction of R, the load/save split, and the peak resident memory
-of this process (the conversion runs in it when --nproc is 1) against the model's size.
+3. for each rank count of --nproc (default 1 and 2; EP = ranks unless --ep), in fresh processes:
+   `hf-to-mcore`, then `mcore-to-hf` of the result: throughput = HF bytes / seconds;
+and prints each throughput as a fraction of min(sequential read, sequential write) and, for every
+rank, the growth of its resident memory during the conversion (peak RSS reset before it,
+`checkpointing.rss`) against its shard's bytes.
 Everything is deleted at the end unless --keep.
 """
 
@@ -124,26 +125,40 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _report(direction: str, layout_text: str, nproc: int, model_bytes: int, bound: float, per_rank: list[dict]) -> None:
+    seconds = per_rank[0]["seconds"]
+    speed = model_bytes / seconds
+    print(f"{direction} [{layout_text}, {nproc} rank(s)]: {seconds:.2f} s = {human_bytes(speed)}/s = "
+          f"{speed / bound:.2f} x min(read, write)  ({_phases(per_rank[0])})")
+    for rank, r in enumerate(per_rank):
+        grown = r["rss_peak"] - r["rss_start"]
+        shard = r["shard_bytes"]
+        print(f"  rank {rank}: peak RSS {human_bytes(r['rss_peak'])} = {human_bytes(r['rss_start'])} at start + "
+              f"{human_bytes(grown)} = {grown / max(shard, 1):.2f} x its shard ({human_bytes(shard)})"
+              + ("" if r["rss_peak_reset"] else " (peak not resettable here: lifetime peak)"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0, help="model size (default 2.0)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--dir", default=None, help="where to work (default: the system temp dir, e.g. /tmp)")
-    parser.add_argument("--nproc", type=int, default=1, help="conversion ranks (default 1)")
+    parser.add_argument("--nproc", default="1,2",
+                        help="comma-separated rank counts to convert with, each in fresh processes (default 1,2)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the rank count)")
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args()
 
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
-    from megatron_sao.checkpointing.launch import run_collective
     from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
     from megatron_sao.checkpointing.model_setup import Layout
+    from megatron_sao.checkpointing.rss import measured
+    from megatron_sao.platform import run_distributed
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     work = Path(tempfile.mkdtemp(prefix="sao-bench-convert-", dir=args.dir))
-    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep)
     try:
         start = time.monotonic()
         model_bytes = write_synthetic_checkpoint(work / "hf", args.size_gb * 1e9, dtype)
@@ -155,27 +170,25 @@ def main() -> None:
         read_speed = read_bytes / read_s
         print(f"sequential read: {human_bytes(read_bytes)} in {read_s:.2f} s = {human_bytes(read_speed)}/s")
         write_s = sequential_write(work / "write_probe", model_bytes)
+        write_speed = model_bytes / write_s
         print(f"sequential write (+fsync): {human_bytes(model_bytes)} in {write_s:.2f} s = "
-              f"{human_bytes(model_bytes / write_s)}/s (a conversion writes as much as it reads)")
-        print(f"imports (megatron-core, megatron-bridge, transformers; paid once per process): {warm_imports():.1f} s")
-        rss_before = peak_rss_bytes()
-
-        evict(work)
-        _, up = run_collective(convert_hf_to_mcore, args.nproc, HfToMcoreRequest(
-            hf_dir=work / "hf", out_dir=work / "mcore", layout=layout, progress=False))
-        up_speed = model_bytes / up["seconds"]
-        print(f"hf-to-mcore [{layout.describe()}, {args.nproc} rank(s)]: {up['seconds']:.2f} s = "
-              f"{human_bytes(up_speed)}/s = {up_speed / read_speed:.2f} x sequential read  ({_phases(up)})")
-
-        evict(work)
-        _, down = run_collective(convert_mcore_to_hf, args.nproc, McoreToHfRequest(
-            mcore_dir=work / "mcore", out_dir=work / "hf_out", layout=layout, progress=False))
-        down_speed = model_bytes / down["seconds"]
-        print(f"mcore-to-hf [{layout.describe()}, {args.nproc} rank(s)]: {down['seconds']:.2f} s = "
-              f"{human_bytes(down_speed)}/s = {down_speed / read_speed:.2f} x sequential read  ({_phases(down)})")
-        if args.nproc == 1:
-            print(f"peak resident memory of this process: {human_bytes(peak_rss_bytes())} (before the conversions: "
-                  f"{human_bytes(rss_before)}; model {human_bytes(model_bytes)})")
+              f"{human_bytes(write_speed)}/s")
+        bound = min(read_speed, write_speed)
+        print(f"bound min(read, write) = {human_bytes(bound)}/s (a conversion writes as many bytes as it reads)")
+        for nproc in (int(n) for n in args.nproc.split(",")):
+            layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep if args.ep is not None else nproc)
+            mcore, hf_out = work / f"mcore_{nproc}", work / f"hf_out_{nproc}"
+            evict(work)
+            up = run_distributed(measured, nproc, convert_hf_to_mcore, HfToMcoreRequest(
+                hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False), timeout_s=24 * 3600)
+            _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, up)
+            evict(work)
+            down = run_distributed(measured, nproc, convert_mcore_to_hf, McoreToHfRequest(
+                mcore_dir=mcore, out_dir=hf_out, layout=layout, progress=False), timeout_s=24 * 3600)
+            _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, down)
+            if not args.keep:
+                shutil.rmtree(mcore, ignore_errors=True)
+                shutil.rmtree(hf_out, ignore_errors=True)
     finally:
         if args.keep:
             print(f"kept {work}")

@@ -46,6 +46,9 @@ def _add_layout(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     group.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
     group.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    group.add_argument("--vpp", type=int, default=None,
+                       help="virtual pipeline stages per pipeline rank (needs --pp > 1; default none)")
+    group.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     group.add_argument("--nproc", type=int, default=1,
                        help="spawn this many local processes (ignored under torchrun/srun; default 1)")
 
@@ -77,7 +80,7 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
 def _layout(args: argparse.Namespace):
     from megatron_sao.checkpointing.model_setup import Layout
 
-    return Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    return Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp, cp=args.cp)
 
 
 def _report(rank: int, lines: list[str]) -> None:

@@ -37,6 +37,7 @@ from megatron_sao.checkpointing.model_setup import (
     build_for_conversion,
     conversion_config,
     dtype_name,
+    shard_bytes,
     unwrap,
 )
 from megatron_sao.checkpointing.output_dir import (
@@ -197,6 +198,7 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
         config = conversion_config(view, request.layout, world_size(), plan.params_dtype, seed=request.seed,
                                    value_head_init_std=request.value_head_init_std)
         chunks = build_for_conversion(config, plan.role)
+        rank_bytes = shard_bytes(chunks)
         phases["build"] = time.monotonic() - start - sum(phases.values())
         handled = set(plan.passthrough)
         if plan.role == "critic":
@@ -239,6 +241,7 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
         "phases": phases, "out": str(out), "role": plan.role, "architecture": plan.family.architecture,
         "params_dtype": dtype_name(plan.params_dtype), "hf_tensors": len(plan.checkpoint.tensors),
         "hf_bytes": plan.checkpoint.total_bytes, "passthrough": plan.passthrough, "value_head": value_head,
+        "shard_bytes": rank_bytes,
         "seconds": seconds, "load_seconds": loaded_at - start, "save_seconds": time.monotonic() - loaded_at,
         "summary": (f"{plan.checkpoint.path} ({plan.family.architecture}, {len(plan.checkpoint.tensors)} tensors, "
                     f"{human_bytes(plan.checkpoint.total_bytes)}) -> {out} as {plan.role} "

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing import critic_format as cf
-from megatron_sao.checkpointing.collective import barrier, broadcast_object, gather_objects, raise_if_any, rank
+from megatron_sao.checkpointing.collective import barrier, broadcast_object, raise_if_any, rank
 from megatron_sao.checkpointing.collective import world_size as get_world_size
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.hf_files import (
@@ -41,7 +41,14 @@ from megatron_sao.checkpointing.manifest import (
     read_manifest,
 )
 from megatron_sao.checkpointing.mcore_io import load_model, tensor_table
-from megatron_sao.checkpointing.model_setup import DTYPES, Layout, Role, build_for_conversion, conversion_config, unwrap
+from megatron_sao.checkpointing.model_setup import (
+    DTYPES,
+    Layout,
+    Role,
+    build_for_conversion,
+    conversion_config,
+    shard_bytes,
+)
 from megatron_sao.checkpointing.output_dir import (
     OUTPUT_MARKERS,
     StagedOutput,
@@ -52,7 +59,7 @@ from megatron_sao.checkpointing.output_dir import (
 )
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from megatron_sao.models.bridge_compat import load_auto_bridge
+from megatron_sao.models.hf_export import HFWeightExporter
 
 EXPORT_MARKER = OUTPUT_MARKERS[1]  # sao_export.json: marks an HF export that --overwrite may replace
 
@@ -141,16 +148,6 @@ def plan_mcore_to_hf(request: McoreToHfRequest) -> McoreToHfPlan:
                          passthrough=list(manifest.passthrough) if manifest else [])
 
 
-def _skip_value_head_tasks(model_bridge: object) -> None:
-    original = model_bridge.build_conversion_tasks
-
-    def build_conversion_tasks(hf_pretrained, megatron_model, weight_dtype=None):
-        tasks = original(hf_pretrained, megatron_model, weight_dtype=weight_dtype)
-        return [t for t in tasks if t is None or not t.global_param_name.startswith("output_layer.")]
-
-    model_bridge.build_conversion_tasks = build_conversion_tasks
-
-
 class _Sink:
     """Rank 0's end of the export: checks each tensor against the plan, casts, writes."""
 
@@ -213,30 +210,23 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         view = cf.causal_view(plan.config_dir, plan.config, view_root / "hf")
         config = conversion_config(view, request.layout, get_world_size(), plan.params_dtype)
         chunks = build_for_conversion(config, plan.role)
+        rank_bytes = shard_bytes(chunks)
         phases["build"] = time.monotonic() - start - sum(phases.values())
         load_model(chunks, mcore)
         loaded_at = time.monotonic()
         phases["load"] = loaded_at - start - sum(phases.values())
-        bridge = load_auto_bridge(view)
-        model_bridge = bridge._model_bridge
-        if plan.role == "critic":
-            _skip_value_head_tasks(model_bridge)
+        exporter = HFWeightExporter(chunks, view, role=plan.role)
         with disk_full_as_value_error(staged.tmp):
             sink = _Sink(plan, staged.tmp) if rank() == 0 else None
-            stream = model_bridge.stream_weights_megatron_to_hf(chunks, bridge.hf_pretrained.config, cpu=True,
-                                                                show_progress=False)
-            for name, tensor in stream:
-                if sink is not None:
-                    sink.put(name, tensor)
-            heads = gather_objects([unwrap(c).output_layer.weight.detach().cpu() for c in chunks
-                                    if plan.role == "critic" and getattr(unwrap(c), "post_process", False)])
+            try:
+                for name, tensor in exporter.stream(cpu=True):
+                    # The exporter always appends a zero score.bias; a critic saved without one has none.
+                    if sink is not None and not (name == cf.VALUE_BIAS and name not in sink.by_name):
+                        sink.put(name, tensor)
+            finally:
+                exporter.close()
             errors = []
             if sink is not None:
-                head = next((h[0] for h in heads if h), None)
-                if head is not None:
-                    sink.put(cf.VALUE_WEIGHT, head)
-                    if cf.VALUE_BIAS in sink.by_name:
-                        sink.put(cf.VALUE_BIAS, torch.zeros(1, dtype=head.dtype))
                 _copy_passthrough(plan, mcore, sink)
                 sink.progress.close()
                 missing = sink.writer.missing()
@@ -263,6 +253,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
     return {
         "phases": phases, "out": str(out), "role": plan.role, "architecture": plan.family.architecture,
         "tensors": len(plan.specs),
+        "shard_bytes": rank_bytes,
         "bytes": total, "rounded": rounded, "seconds": seconds, "load_seconds": loaded_at - start,
         "export_seconds": time.monotonic() - loaded_at,
         "summary": (f"{mcore} ({plan.role}, {plan.family.architecture}) -> {out}: {len(plan.specs)} tensors, "

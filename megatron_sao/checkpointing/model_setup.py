@@ -12,6 +12,9 @@ families build the same module tree here and in training.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,14 +34,23 @@ class Layout:
     pp: int = 1
     ep: int = 1
     etp: int | None = None
+    vpp: int | None = None
+    """Virtual pipeline stages per pipeline rank (model chunks per rank); None: one chunk."""
+    cp: int = 1
 
     def describe(self) -> str:
         etp = self.etp if self.etp is not None else self.tp
-        return f"tp={self.tp} pp={self.pp} ep={self.ep} etp={etp}"
+        extra = (f" vpp={self.vpp}" if self.vpp is not None else "") + (f" cp={self.cp}" if self.cp != 1 else "")
+        return f"tp={self.tp} pp={self.pp} ep={self.ep} etp={etp}{extra}"
 
     def as_dict(self, world_size: int) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp if self.etp is not None else self.tp,
-                "world_size": world_size}
+        out = {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp if self.etp is not None else self.tp,
+               "world_size": world_size}
+        if self.vpp is not None:
+            out["vpp"] = self.vpp
+        if self.cp != 1:
+            out["cp"] = self.cp
+        return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -58,6 +70,10 @@ def conversion_config(hf_dir: Path, layout: Layout, world_size: int, dtype: torc
     ]
     if layout.etp is not None:
         overrides.append(f"parallelism.expert_tensor={layout.etp}")
+    if layout.vpp is not None:
+        overrides.append(f"parallelism.virtual_pipeline={layout.vpp}")
+    if layout.cp != 1:
+        overrides.append(f"parallelism.context={layout.cp}")
     config = load_config(None, overrides)
     provider = config.model.provider_overrides
     provider["perform_initialization"] = False
@@ -73,7 +89,41 @@ def build_for_conversion(config: Any, role: Role) -> list[torch.nn.Module]:
     from megatron_sao.platform import init_model_parallel
 
     init_model_parallel(config.parallelism, seed=config.run.seed)
-    return build_model(config, role=role).chunks
+    with _local_attention_under_cp(config.parallelism.context):
+        return build_model(config, role=role).chunks
+
+
+@contextlib.contextmanager
+def _local_attention_under_cp(context_parallel: int) -> Iterator[None]:
+    """Let the local (CPU) spec build under context parallelism, for conversion only.
+
+    Megatron's local `DotProductAttention` refuses CP > 1 (only Transformer Engine's attention
+    implements the ring exchange), yet it holds no weights: the checkpoint of a CP model is the
+    same with either attention. While building, the local attention is constructed as if CP were
+    1, and its forward is replaced by an error, so a CPU model built here converts weights but can
+    never compute a wrong (chunk-local) attention. With Transformer Engine nothing is changed."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if context_parallel == 1:
+        yield
+        return
+    original = DotProductAttention.__init__
+
+    def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, dataclasses.replace(config, context_parallel_size=1), *args, **kwargs)
+        self.config = config
+
+        def refuse(*_: Any, **__: Any) -> None:
+            raise NotImplementedError("attention under context parallelism needs Transformer Engine; this "
+                                      "CPU model was built for weight conversion only")
+
+        self.forward = refuse
+
+    DotProductAttention.__init__ = init
+    try:
+        yield
+    finally:
+        DotProductAttention.__init__ = original
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -81,3 +131,19 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
         chunk = chunk.module
     return chunk
+
+
+def shard_bytes(chunks: list[torch.nn.Module]) -> int:
+    """Bytes of this rank's share of the model: its parameters and persistent buffers (what a
+    rank must hold during a conversion; the memory budget is stated against it)."""
+    total, seen = 0, set()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        persistent = set(model.state_dict(keep_vars=True))
+        tensors = [p for _, p in model.named_parameters()]
+        tensors += [b for n, b in model.named_buffers() if n in persistent]
+        for tensor in tensors:
+            if tensor.untyped_storage().data_ptr() not in seen:
+                seen.add(tensor.untyped_storage().data_ptr())
+                total += tensor.numel() * tensor.element_size()
+    return total

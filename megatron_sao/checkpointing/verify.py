@@ -4,7 +4,9 @@ Both sides run in float32 on the same token ids: the HF model with transformers 
 `AutoModelForCausalLM`; critic: the base model's last hidden state through `score`), the Megatron
 model built in the requested layout and loaded from the mcore checkpoint (TP outputs gathered,
 the last pipeline stage's output broadcast). Reported: max-abs and mean-abs difference. The HF
-model is loaded whole on rank 0, so this is for checkpoints that fit one host's memory.
+model is never held whole: `hf_streamed` runs it unit by unit (embedding, each decoder layer, the
+head), each rank reading and computing only its contiguous block of layers, so a rank needs one
+layer's weights at a time (plus its Megatron shard) on 1 rank or N (torchrun / srun).
 """
 
 from __future__ import annotations
@@ -103,8 +105,32 @@ def _broadcast_tensor(tensor: torch.Tensor | None, src: int, group: object) -> t
     return tensor
 
 
+def streamed_hf_outputs(hf_dir: Path, tokens_bt: torch.Tensor) -> tuple[Role, torch.Tensor]:
+    """Collective: what `hf_outputs` computes, streamed and sharded over the ranks (`hf_streamed`);
+    the same on every rank."""
+    from safetensors import safe_open
+
+    from megatron_sao.checkpointing.hf_streamed import StreamedHFModel
+
+    config = read_config(hf_dir)
+    if not cf.is_critic_config(config):
+        return "actor", StreamedHFModel(hf_dir).forward(tokens_bt)
+    with tempfile.TemporaryDirectory() as tmp:
+        view = cf.causal_view(hf_dir, config, Path(tmp) / "hf")
+        hidden = StreamedHFModel(hf_dir, config_dir=view, base=True).forward(tokens_bt)
+    tensors = inspect_hf_checkpoint(hf_dir).tensors
+    head = {}
+    for name in (cf.VALUE_WEIGHT, cf.VALUE_BIAS):
+        if name in tensors:
+            with safe_open(str(hf_dir / tensors[name].file), framework="pt") as f:
+                head[name] = f.get_tensor(name).float()
+    return "critic", torch.nn.functional.linear(hidden, head[cf.VALUE_WEIGHT], head.get(cf.VALUE_BIAS))
+
+
 def hf_outputs(hf_dir: Path, tokens_bt: torch.Tensor) -> tuple[Role, torch.Tensor]:
-    """The HF checkpoint's float32 output on `tokens_bt`: logits (actor) or values [B, T, 1] (critic)."""
+    """The HF checkpoint's float32 output on `tokens_bt`: logits (actor) or values [B, T, 1] (critic),
+    from the whole model loaded by transformers on this rank (the reference `streamed_hf_outputs`
+    is tested against; small checkpoints only)."""
     import transformers
     from safetensors import safe_open
 
@@ -143,9 +169,9 @@ def verify(request: VerifyRequest) -> VerifyResult:
     """Collective: compare HF and Megatron outputs; the result is the same on every rank."""
     tokens = prompt_token_ids(Path(request.hf_dir), request.prompt, request.max_tokens)
     role, megatron = mcore_outputs(Path(request.mcore_dir), tokens, request.layout, request.verify_checksums)
+    hf_role, reference = streamed_hf_outputs(Path(request.hf_dir), tokens)
     result, errors = None, []
     if rank() == 0:
-        hf_role, reference = hf_outputs(Path(request.hf_dir), tokens)
         if hf_role != role:
             errors.append(f"{request.hf_dir} is an {hf_role} checkpoint, {request.mcore_dir} a {role} one")
         else:

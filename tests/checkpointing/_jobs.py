@@ -32,7 +32,8 @@ class FamilyCase:
 
 
 def layout_name(layout: Layout) -> str:
-    return f"tp{layout.tp}pp{layout.pp}ep{layout.ep}" + (f"etp{layout.etp}" if layout.etp is not None else "")
+    return (f"tp{layout.tp}pp{layout.pp}ep{layout.ep}" + (f"etp{layout.etp}" if layout.etp is not None else "")
+            + (f"vpp{layout.vpp}" if layout.vpp is not None else "") + (f"cp{layout.cp}" if layout.cp != 1 else ""))
 
 
 def _step(results: dict[str, Any], key: str, fn, *args) -> Any:
