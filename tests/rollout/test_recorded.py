@@ -41,7 +41,7 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
     assert len(trajectories) == 2 and report.num_rows == 5 and report.num_skipped == 3
     assert [s.row for s in report.skipped] == [2, 3, 4]
     assert all(s.path == str(path) for s in report.skipped)
-    assert "non-finite reward" in report.skipped[2].detail and "loss_mask" in report.skipped[1].detail
+    assert "is not finite" in report.skipped[2].detail and "loss_mask" in report.skipped[1].detail
 
 
 def test_unusable_files_are_errors(tmp_path):
