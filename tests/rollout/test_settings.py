@@ -10,14 +10,15 @@ TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
 
 def test_rollout_settings_follow_the_run_config():
     cfg = load_config(TINY, ["rollout.num_engines=3", "rollout.max_inflight_per_engine=5", "rollout.sglang.tensor=4",
-                             "rollout.sglang.extra_args=[--enable-metrics]", "rollout.temperature=0.7"])
+                             "rollout.sglang.extra_args=[--enable-metrics]", "rollout.temperature=0.7",
+                             "rollout.max_turns=5", "rollout.max_new_tokens_per_turn=48"])
     engine = engine_config_from(cfg)
     assert (engine.backend, engine.num_engines, engine.tp_size) == ("cpu", 3, 4)
     assert engine.model_path == cfg.model.hf_path and engine.context_length == cfg.rollout.max_total_tokens
     assert engine.extra_args == ["--enable-metrics"] and engine.random_seed == cfg.run.seed
     assert engine_config_from(cfg, model_path="/ckpt/step_10/hf").model_path == "/ckpt/step_10/hf"
     loop = agent_loop_config_from(cfg)
-    assert (loop.max_turns, loop.max_new_tokens_per_turn, loop.temperature) == (4, 64, 0.7)
+    assert (loop.max_turns, loop.max_new_tokens_per_turn, loop.temperature) == (5, 48, 0.7)
     assert loop.max_concurrent_trajectories == 15
 
 
