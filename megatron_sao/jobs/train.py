@@ -74,6 +74,38 @@ def resolve_resume(config: SaoConfig, run_dir: Path) -> Path | None:
     return latest
 
 
+def check_trajectory_source(config: SaoConfig, mode: str) -> None:
+    """The files the run's trajectory source reads exist (a clear error before anything starts)."""
+    if mode == "rl" and config.rollout.source == "engine":
+        if not Path(config.data.train_path).is_file():
+            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
+                             "rolls out the prompts of data.train_path)")
+    elif not config.data.trajectories_path:
+        raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
+    elif not Path(config.data.trajectories_path).is_file():
+        raise ValueError(f"data.trajectories_path={config.data.trajectories_path!r}: no such file")
+
+
+def prepare_resume(config: SaoConfig, run_dir: Path) -> tuple[Path | None, int | None]:
+    """Find the checkpoint this run continues from (`resolve_resume`) and prepare the run
+    directory for it. Returns (checkpoint or None, the step when that checkpoint already reaches
+    `run.total_steps`: nothing to train, the directory untouched)."""
+    from megatron_sao.utils.run_logging import prepare_run_dir
+
+    resume_from = resolve_resume(config, run_dir)
+    if resume_from is None:
+        prepare_run_dir(config)
+        return None, None
+    step = int(resume_from.name.removeprefix("iter_"))
+    if step >= config.run.total_steps:
+        print(f"run {run_dir} is complete: checkpoint {resume_from} is at step {step} >= run.total_steps="
+              f"{config.run.total_steps}; raise run.total_steps to train on", flush=True)
+        return resume_from, step
+    print(f"resuming from {resume_from}", flush=True)
+    prepare_run_dir(config, resume_step=step)
+    return resume_from, None
+
+
 def _request_stop(signum: int, frame: Any) -> None:
     global _stop_requested
     _stop_requested = True
@@ -204,16 +236,9 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
     from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.platform import run_distributed
-    from megatron_sao.utils.run_logging import prepare_run_dir, run_dir_of
+    from megatron_sao.utils.run_logging import run_dir_of
 
-    if mode == "rl" and config.rollout.source == "engine":
-        if not Path(config.data.train_path).is_file():
-            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
-                             "rolls out the prompts of data.train_path)")
-    elif not config.data.trajectories_path:
-        raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
-    elif not Path(config.data.trajectories_path).is_file():
-        raise ValueError(f"data.trajectories_path={config.data.trajectories_path}: no such file")
+    check_trajectory_source(config, mode)
     if config.launcher.kind == "slurm":  # inside a Slurm job: the ranks are srun tasks on every node
         from megatron_sao.jobs.train_multinode import run_train_srun
 
@@ -222,17 +247,9 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
         raise NotImplementedError("multi-node / Slurm launch is the Slurm-launchers issue; "
                                   "set launcher.kind=local launcher.nnodes=1")
     run_dir = run_dir_of(config)
-    resume_from = resolve_resume(config, run_dir)
-    if resume_from is not None:
-        resume_step = int(resume_from.name.removeprefix("iter_"))
-        if resume_step >= config.run.total_steps:
-            print(f"run {run_dir} is complete: checkpoint {resume_from} is at step {resume_step} >= "
-                  f"run.total_steps={config.run.total_steps}; raise run.total_steps to train on", flush=True)
-            return 0, {"step": resume_step, "stopped": False, "metrics": {}}, run_dir
-        print(f"resuming from {resume_from}", flush=True)
-        prepare_run_dir(config, resume_step=resume_step)
-    else:
-        prepare_run_dir(config)
+    resume_from, complete = prepare_resume(config, run_dir)
+    if complete is not None:
+        return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
     check_layout_fits_model(config)  # also builds a tiny checkpoint once, before ranks race for it
     print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
     previous = {s: signal.signal(s, _forward_to_children) for s in (signal.SIGTERM, signal.SIGINT)}

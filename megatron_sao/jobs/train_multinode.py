@@ -30,29 +30,16 @@ def run_train_srun(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tupl
     """`run_train` for a Slurm allocation (launcher.kind=slurm, any launcher.nnodes). Returns
     (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
-    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, resolve_resume, train_rank
+    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, check_trajectory_source, prepare_resume, train_rank
     from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.platform.srun import run_srun
-    from megatron_sao.utils.run_logging import prepare_run_dir, run_dir_of
+    from megatron_sao.utils.run_logging import run_dir_of
 
-    if mode == "rl" and config.rollout.source == "engine":  # rank 0 hosts the engines (pipeline/engine_source.py)
-        if not Path(config.data.train_path).is_file():
-            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
-                             "rolls out the prompts of data.train_path)")
-    elif not config.data.trajectories_path or not Path(config.data.trajectories_path).is_file():
-        raise ValueError(f"data.trajectories_path={config.data.trajectories_path!r}: no such file")
+    check_trajectory_source(config, mode)
     run_dir = run_dir_of(config).resolve()
-    resume_from = resolve_resume(config, run_dir)
-    if resume_from is not None:
-        resume_step = int(resume_from.name.removeprefix("iter_"))
-        if resume_step >= config.run.total_steps:
-            print(f"run {run_dir} is complete: checkpoint {resume_from} is at step {resume_step} >= "
-                  f"run.total_steps={config.run.total_steps}; raise run.total_steps to train on", flush=True)
-            return 0, {"step": resume_step, "stopped": False, "metrics": {}}, run_dir
-        print(f"resuming from {resume_from}", flush=True)
-        prepare_run_dir(config, resume_step=resume_step)
-    else:
-        prepare_run_dir(config)
+    resume_from, complete = prepare_resume(config, run_dir)
+    if complete is not None:
+        return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
     check_layout_fits_model(config)
     world = trainer_world_size(config)
     print(f"run directory: {run_dir}; {world} trainer ranks as srun tasks, "

@@ -33,10 +33,10 @@ def run_pretrain(config: SaoConfig) -> tuple[int, dict[str, Any], Path]:
     inside a Slurm job, on srun tasks over the allocation's nodes. Returns (exit code, rank 0's
     result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
-    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, resolve_resume
+    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, prepare_resume
     from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.platform import run_distributed
-    from megatron_sao.utils.run_logging import prepare_run_dir, run_dir_of
+    from megatron_sao.utils.run_logging import run_dir_of
     from megatron_sao.valuepretrain.settings import check_value_pretrain_config
     from megatron_sao.valuepretrain.train_loop import pretrain_rank
 
@@ -46,17 +46,9 @@ def run_pretrain(config: SaoConfig) -> tuple[int, dict[str, Any], Path]:
         raise ValueError(f"launcher.nnodes={config.launcher.nnodes} with launcher.kind=local: several nodes need "
                          "launcher.kind=slurm (run through `sao launch slurm --command \"value-pretrain train\"`)")
     run_dir = run_dir_of(config).resolve() if on_slurm else run_dir_of(config)
-    resume_from = resolve_resume(config, run_dir)
-    if resume_from is not None:
-        step = int(resume_from.name.removeprefix("iter_"))
-        if step >= config.run.total_steps:
-            print(f"run {run_dir} is complete: checkpoint {resume_from} is at step {step} >= run.total_steps="
-                  f"{config.run.total_steps}; raise run.total_steps to train on", flush=True)
-            return 0, {"step": step, "stopped": False, "metrics": {}, "heldout": None}, run_dir
-        print(f"resuming from {resume_from}", flush=True)
-        prepare_run_dir(config, resume_step=step)
-    else:
-        prepare_run_dir(config)
+    resume_from, complete = prepare_resume(config, run_dir)
+    if complete is not None:
+        return 0, {"step": complete, "stopped": False, "metrics": {}, "heldout": None}, run_dir
     check_layout_fits_model(config)
     print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
     resume = str(resume_from) if resume_from else None

@@ -171,7 +171,6 @@ class RankBatch:
     trajectory_indices: list[list[int]]
     """Per micro-batch, the indices (into the global batch) of its rows, in row order."""
     global_action_tokens: int
-    global_tokens: int
 
 
 def shard_batch(trajectories: Sequence[Trajectory], dp_rank: int, dp_size: int, packing: PackingConfig,
@@ -189,7 +188,6 @@ def shard_batch(trajectories: Sequence[Trajectory], dp_rank: int, dp_size: int, 
         micro_batches=micro_batches,
         trajectory_indices=mine,
         global_action_tokens=sum(t.num_action_tokens for t in trajectories),
-        global_tokens=sum(lengths),
     )
 
 

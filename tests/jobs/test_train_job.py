@@ -12,6 +12,7 @@ import torch
 from megatron_sao.config import load_config
 from megatron_sao.jobs.train import resolve_resume, run_train
 from megatron_sao.rollout.trajectory_io import write_parquet
+from tests.training.full_params import checkpoint_tensors
 from tests.training.trainer_worker import TIMING_PREFIXES
 from tests.training.trajectories import random_trajectories
 
@@ -33,21 +34,7 @@ def _config(tmp_path: Path, hf_dir: Path, trajectories: Path, name: str, *overri
 
 
 def _tensors(iter_dir: Path, role: str, tmp_path: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp_path / f"{iter_dir.parent.parent.name}_{iter_dir.name}_{role}.pt"
-    dcp_to_torch_save(iter_dir / role, out)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}{k}.", v)
-        elif isinstance(value, torch.Tensor):
-            flat[prefix.rstrip(".")] = value
-
-    walk("", torch.load(out, weights_only=False))
-    return flat
+    return checkpoint_tensors(iter_dir / role, tmp_path)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -3,6 +3,8 @@ models trained in different TP / PP / EP / DP layouts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -32,3 +34,26 @@ def full_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     for tensor in full.values():
         torch.distributed.all_reduce(tensor)
     return full
+
+
+def checkpoint_tensors(role_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist directory (a role of a training checkpoint, or a conversion
+    output), each as one global tensor, by flat key (model and optimizer state)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = Path(tempfile.mkstemp(suffix=".pt", dir=scratch)[1])
+    dcp_to_torch_save(str(role_dir), str(out))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix.rstrip(".")] = value
+
+    walk("", torch.load(out, weights_only=False))
+    out.unlink()
+    return flat

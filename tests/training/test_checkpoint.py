@@ -12,6 +12,7 @@ import torch
 from megatron_sao.platform import RankFailed, run_distributed
 from megatron_sao.training import checkpoint_files as files
 from tests.training import checkpoint_worker as worker
+from tests.training.full_params import checkpoint_tensors
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +64,6 @@ def test_resume_restores_rng_and_trainer_state(resumed):
     assert resumed["target"][0]["latest"].endswith("iter_0000004")
 
 
-def _full_tensors(role_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist directory as one global tensor (model and optimizer state)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = scratch / f"{role_dir.parent.parent.name}_{role_dir.parent.name}_{role_dir.name}.pt"
-    dcp_to_torch_save(str(role_dir), str(out))
-    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
-
-
 @pytest.mark.parametrize(("saved", "resaved"), [
     ("ckpt/iter_0000003", "out/dp2/iter_0000003"),   # EP2 -> DP2 (expert=1)
     ("ckpt/iter_0000004", "out/dp2/iter_0000004"),   # ... and one step taken in DP2
@@ -83,7 +75,8 @@ def test_layout_change_reshards_model_and_optimizer(resumed, tmp_path, saved, re
     """Loaded into another layout and saved again: every model and optimizer tensor equal within 1e-6."""
     root = resumed["root"]
     for role in ("actor", "critic"):
-        a, b = _full_tensors(root / saved / role, tmp_path), _full_tensors(root / resaved / role, tmp_path)
+        a = checkpoint_tensors(root / saved / role, tmp_path)
+        b = checkpoint_tensors(root / resaved / role, tmp_path)
         assert a.keys() == b.keys()
         for prefix in ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.", "optimizer.state.param."):
             assert any(k.startswith(prefix) for k in a), prefix

@@ -10,8 +10,9 @@ import torch
 
 from megatron_sao.jobs.value_pretrain import run_pretrain
 from megatron_sao.platform import run_distributed
+from tests.training.full_params import checkpoint_tensors
 from tests.valuepretrain import handoff_worker
-from tests.valuepretrain.helpers import checkpoint_tensors, metrics_rows, numeric, pretrain_config
+from tests.valuepretrain.helpers import metrics_rows, numeric, pretrain_config
 
 
 @pytest.fixture(scope="module")
