@@ -243,9 +243,9 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
         from megatron_sao.jobs.train_multinode import run_train_srun
 
         return run_train_srun(config, mode)
-    if config.launcher.kind != "local" or config.launcher.nnodes != 1:
-        raise NotImplementedError("multi-node / Slurm launch is the Slurm-launchers issue; "
-                                  "set launcher.kind=local launcher.nnodes=1")
+    if config.launcher.nnodes != 1:
+        raise ValueError(f"launcher.nnodes={config.launcher.nnodes} with launcher.kind=local: several nodes need "
+                         "launcher.kind=slurm (submit with `sao launch slurm RECIPE --nodes N`)")
     run_dir = run_dir_of(config)
     resume_from, complete = prepare_resume(config, run_dir)
     if complete is not None:
