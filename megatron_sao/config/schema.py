@@ -366,6 +366,13 @@ class LauncherConfig:
     engine_placement: Literal["auto", "colocated", "disaggregated"] = "auto"
     """Where rollout engines run: on the trainer GPUs (time-shared), on GPUs of their own, or
     decided from parallelism.world_size vs the allocation (auto)."""
+    ray: bool = False
+    """Place the trainer ranks and the rollout engines as Ray actors in one placement group sized
+    from the config (pipeline/placement.py), on a local Ray instance or the cluster at
+    `ray_address`; false: local processes (`launcher.kind=local`) or srun tasks (`slurm`)."""
+    ray_address: str = ""
+    """With `launcher.ray`: '' starts a local Ray instance (one machine); 'auto' or HOST:PORT joins
+    a running cluster (the one a `sao launch slurm` job starts)."""
     requeue: bool = False
     """Slurm: requeue the job after a preemption / time-limit checkpoint (resumes automatically)."""
     network_interface: str = ""

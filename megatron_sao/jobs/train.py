@@ -239,6 +239,8 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
     from megatron_sao.utils.run_logging import run_dir_of
 
     check_trajectory_source(config, mode)
+    if config.launcher.ray:
+        return _run_train_ray(config, mode)
     if config.launcher.kind == "slurm":  # inside a Slurm job: the ranks are srun tasks on every node
         from megatron_sao.jobs.train_multinode import run_train_srun
 
@@ -259,4 +261,43 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
+
+
+def _run_train_ray(config: SaoConfig, mode: Literal["rl", "sft"]) -> tuple[int, dict[str, Any], Path]:
+    """`run_train` with the trainer ranks (and, from rank 0, the engines) placed as Ray actors in
+    one placement group (`pipeline/placement.py`), on a local Ray instance or the cluster at
+    `launcher.ray_address`."""
+    import ray
+
+    from megatron_sao.models.build import check_layout_fits_model
+    from megatron_sao.pipeline.placement import create_placement_group, ray_placement
+    from megatron_sao.platform.ray_ranks import RayRanks, connect_ray
+    from megatron_sao.utils.run_logging import run_dir_of
+
+    run_dir = run_dir_of(config).resolve()  # Ray workers may run elsewhere: absolute paths only
+    resume_from, complete = prepare_resume(config, run_dir)
+    if complete is not None:
+        return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
+    check_layout_fits_model(config)
+    placement = ray_placement(config, with_engines=mode == "rl" and config.rollout.source == "engine")
+    started = connect_ray(config.launcher.ray_address, min_cpus=placement.bundle_count)
+    print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'}); {placement.describe()}",
+          flush=True)
+    group = None
+    try:
+        group = create_placement_group(placement, timeout_s=float(config.launcher.join_timeout_s))
+        ranks = RayRanks(placement.trainer_ranks, group, placement.trainer_bundles(), *placement.trainer_resources())
+        previous = {s: signal.signal(s, ranks.forward_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            result = ranks.run(train_rank, config, str(run_dir), mode, str(resume_from) if resume_from else None)[0]
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            ranks.kill()
+    finally:
+        if group is not None:
+            ray.util.remove_placement_group(group)
+        if started:
+            ray.shutdown()
     return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir

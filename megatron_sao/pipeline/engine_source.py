@@ -53,6 +53,7 @@ class EngineSource:
         from transformers import AutoTokenizer
 
         from megatron_sao.pipeline.buffer import ReadyBuffer
+        from megatron_sao.pipeline.placement import make_engine_supervisor
         from megatron_sao.pipeline.prompts import PromptStream
         from megatron_sao.pipeline.rollout_service import RolloutService, log_dir
         from megatron_sao.rollout.datasets import DatasetConfig, load_prompts
@@ -76,7 +77,7 @@ class EngineSource:
             engine_config, agent_loop_config_from(c), AutoTokenizer.from_pretrained(c.model.hf_path),
             env_factory_from(c), self.prompts, self.buffer, max_inflight_per_engine=c.rollout.max_inflight_per_engine,
             health_interval_s=p.engine_health_interval_s, health_timeout_s=p.engine_health_timeout_s,
-            health_failures=p.engine_health_failures)
+            health_failures=p.engine_health_failures, make_supervisor=make_engine_supervisor(c))
 
     def describe(self) -> str:
         if not self.rank0:

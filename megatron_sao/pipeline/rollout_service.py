@@ -42,8 +42,12 @@ class RolloutService:
 
     def __init__(self, engine_config: Any, agent_config: Any, tokenizer: Any, env_factory: Callable[..., Any],
                  prompts: Iterator[PromptSample], buffer: Any, max_inflight_per_engine: int,
-                 health_interval_s: float = 5.0, health_timeout_s: float = 10.0, health_failures: int = 3) -> None:
+                 health_interval_s: float = 5.0, health_timeout_s: float = 10.0, health_failures: int = 3,
+                 make_supervisor: Callable[[Any], Any] | None = None) -> None:
         self.engine_config = engine_config
+        # The engine supervisor: local processes (`EngineLauncher`) unless the run places its
+        # engines elsewhere (`pipeline.placement.make_engine_supervisor`: Ray actors).
+        self.make_supervisor = make_supervisor
         self.agent_config = agent_config
         self.tokenizer = tokenizer
         self.env_factory = env_factory
@@ -76,7 +80,7 @@ class RolloutService:
         from megatron_sao.rollout.gateway.runner import make_runner
         from megatron_sao.rollout.launcher import EngineLauncher
 
-        self.launcher = EngineLauncher(self.engine_config)
+        self.launcher = (self.make_supervisor or EngineLauncher)(self.engine_config)
         urls = self.launcher.start()
         self.launcher.start_monitor()
         self._thread.start()
@@ -189,7 +193,7 @@ class RolloutService:
         out = {f"rollout/{k}": float(c[k]) for k in ("started", "completed", "aborted", "failed", "requeued",
                                                      "engine_hangs")}
         out["rollout/in_flight"] = float(c["started"] - finished)
-        out["rollout/engine_restarts"] = float(sum(h.restarts for h in self.launcher.engines)) if self.launcher else 0.0
+        out["rollout/engine_restarts"] = float(self.launcher.total_restarts()) if self.launcher else 0.0
         return out
 
     def raise_if_failed(self) -> None:
@@ -223,8 +227,7 @@ class RolloutService:
         while not self._stopping:
             await asyncio.sleep(self.health_interval_s)
             for index, client in enumerate(self.pool.clients):
-                handle = self.launcher.engines[index]
-                if handle.process is None or handle.process.poll() is not None:
+                if not await asyncio.to_thread(self.launcher.alive, index):
                     failures[index] = 0  # dead or restarting: not a hang
                     continue
                 ok = await client.health_generate(timeout_s=self.health_timeout_s)

@@ -25,25 +25,30 @@ class RankFailed(RuntimeError):
     """A spawned rank raised; the message carries its traceback."""
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+def configure_rank_process(rank: int, threads: int) -> None:
+    """Logging, warnings and torch threads of a fresh rank process (spawned here or a Ray actor):
+    rank 0 speaks, the others only warn; the libraries' per-bucket / per-plugin chatter is kept
+    out of the job's output."""
     import logging
     import warnings
 
     import torch
 
-    # Spawned children start with default logging: rank 0 speaks, the others only warn; the
-    # libraries' per-bucket / per-plugin chatter is kept out of the job's output.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
                         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
     for noisy in ("megatron.core", "megatron.bridge", "modelopt"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(threads)
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    configure_rank_process(rank, threads=max(1, (os.cpu_count() or 1) // world_size))
     from megatron_sao.platform.distributed import destroy_distributed, init_distributed
 
     try:

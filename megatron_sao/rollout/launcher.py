@@ -48,7 +48,10 @@ class EngineConfig:
     weight_version: str = "0"
     """Initial weight version label: the integer policy version of model_path."""
     random_seed: int = 0
-    """Engine i samples with seed random_seed + i."""
+    """Engine i samples with seed random_seed + first_index + i."""
+    first_index: int = 0
+    """Index of engine 0 in the whole run (a supervisor of some of a run's engines, e.g. one per
+    Ray actor): seeds and log file names follow the run-wide index."""
     tp_size: int = 1
     """SGLang tensor parallel size per engine."""
     ep_size: int = 1
@@ -151,7 +154,8 @@ class EngineLauncher:
                 "-m",
                 "megatron_sao.rollout.cpu_engine",
                 *("--model", self._model_path, "--host", c.host, "--port", str(port)),
-                *("--weight-version", self._weight_version, "--random-seed", str(c.random_seed + index)),
+                *("--weight-version", self._weight_version),
+                *("--random-seed", str(c.random_seed + c.first_index + index)),
                 *("--threads", str(c.cpu_threads), "--dtype", c.cpu_dtype),
                 *(["--max-running-requests", str(c.max_running_requests)] if c.max_running_requests else []),
                 *c.extra_args,
@@ -164,7 +168,7 @@ class EngineLauncher:
             *("--tp-size", str(c.tp_size), "--ep-size", str(c.ep_size)),
             *("--dp-size", str(c.dp_size), "--pp-size", str(c.pp_size)),
             *("--base-gpu-id", str(c.base_gpu_id + index * c.gpus_per_engine)),
-            *("--weight-version", self._weight_version, "--random-seed", str(c.random_seed + index)),
+            *("--weight-version", self._weight_version, "--random-seed", str(c.random_seed + c.first_index + index)),
             "--skip-server-warmup",
         ]
         if c.enable_dp_attention:
@@ -217,7 +221,7 @@ class EngineLauncher:
         if self.config.log_dir is not None:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
             if handle.log_file is None:
-                handle.log_file = open(Path(self.config.log_dir) / f"engine_{handle.index}.log", "ab")  # noqa: SIM115
+                handle.log_file = open(self._log_path(handle), "ab")  # noqa: SIM115
             stdout = handle.log_file
         handle.process = subprocess.Popen(
             self.command(handle.index, handle.port),
@@ -236,7 +240,7 @@ class EngineLauncher:
                 if handle.process.poll() is not None:
                     raise RuntimeError(
                         f"engine {handle.index} exited with code {handle.process.returncode} while starting"
-                        + (f"; see {self.config.log_dir}/engine_{handle.index}.log" if self.config.log_dir else "")
+                        + (f"; see {self._log_path(handle)}" if self.config.log_dir else "")
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     if http.get(f"{handle.url}/health_generate").status_code == 200:
@@ -244,6 +248,18 @@ class EngineLauncher:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"engine {handle.index} not healthy after {self.config.startup_timeout_s} s")
                 time.sleep(0.25)
+
+    def _log_path(self, handle: EngineHandle) -> Path:
+        assert self.config.log_dir is not None
+        return Path(self.config.log_dir) / f"engine_{self.config.first_index + handle.index}.log"
+
+    def alive(self, index: int) -> bool:
+        """Engine `index`'s process is running (it may still be starting, or hung)."""
+        process = self.engines[index].process
+        return process is not None and process.poll() is None
+
+    def total_restarts(self) -> int:
+        return sum(e.restarts for e in self.engines)
 
     def dead_engines(self) -> list[EngineHandle]:
         return [e for e in self.engines if not e.failed and e.process is not None and e.process.poll() is not None]

@@ -1,0 +1,142 @@
+"""Placement on Ray: one placement group per run, sized from the config, for trainer ranks and engines.
+
+The same code runs on one CPU box (a local Ray instance, `launcher.ray_address=''`) and on N GPU
+nodes (the cluster `sao launch slurm` starts, `launcher.ray_address=auto`). A bundle is one
+device: {GPU: 1, CPU: 1} on GPU machines, {CPU: 1} on CPU ones.
+
+```
+colocated      bundles 0..T-1            trainer rank r in bundle r (half of it);
+                                         engine i in bundle i x gpus_per_engine (the other half):
+                                         they time-share the device (engines release their memory
+                                         while the trainer steps, docs/pipeline.md)
+disaggregated  bundles 0..T-1            trainer rank r in bundle r (all of it)
+               bundles T..T+E x g - 1    engine i in bundles T + i x g .. (g = gpus per engine, 1
+                                         for CPU engines): generation never stops for training
+```
+
+`auto` resolves as `sao plan` does (`planning.placement.gpu_layout`): colocated when the trainers
+take every GPU of the allocation, disaggregated otherwise; CPU engines are disaggregated unless
+the recipe says colocated. The agent loop and the ready buffer run on trainer rank 0 (a thread of
+that Ray actor), next to the trainer that consumes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from megatron_sao.config.schema import SaoConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RayPlacement:
+    placement: Literal["colocated", "disaggregated"]
+    trainer_ranks: int
+    num_engines: int
+    """0 when the run starts no engine (SFT, recorded trajectories)."""
+    devices_per_engine: int
+    """Bundles one engine spans (its GPUs; 1 for a CPU engine)."""
+    use_gpus: bool
+
+    @property
+    def bundle_count(self) -> int:
+        if self.placement == "colocated":
+            return self.trainer_ranks
+        return self.trainer_ranks + self.num_engines * self.devices_per_engine
+
+    def bundles(self) -> list[dict[str, float]]:
+        device = {"CPU": 1.0, "GPU": 1.0} if self.use_gpus else {"CPU": 1.0}
+        return [dict(device) for _ in range(self.bundle_count)]
+
+    def trainer_bundles(self) -> list[int]:
+        return list(range(self.trainer_ranks))
+
+    def engine_bundles(self) -> list[int]:
+        if self.placement == "colocated":
+            return [(i * self.devices_per_engine) % self.trainer_ranks for i in range(self.num_engines)]
+        return [self.trainer_ranks + i * self.devices_per_engine for i in range(self.num_engines)]
+
+    def _share(self) -> float:
+        """The part of a bundle a colocated engine host takes (several CPU engines may share one)."""
+        per_bundle = max(self.engine_bundles().count(b) for b in set(self.engine_bundles()))
+        return 0.5 / per_bundle
+
+    def trainer_resources(self) -> tuple[float, float]:
+        """(num_cpus, num_gpus) of one trainer rank actor."""
+        share = 0.5 if self.placement == "colocated" and self.num_engines else 1.0
+        return share, (share if self.use_gpus else 0.0)
+
+    def engine_resources(self) -> tuple[float, float]:
+        """(num_cpus, num_gpus) of one engine host actor (the rest of an engine's GPUs stay reserved
+        in its other bundles)."""
+        share = self._share() if self.placement == "colocated" else 1.0
+        return share, (share if self.use_gpus else 0.0)
+
+    def describe(self) -> str:
+        return (f"Ray placement: {self.placement}, {self.bundle_count} bundles of "
+                f"{'GPU+CPU' if self.use_gpus else 'CPU'}: trainer ranks in {self.trainer_bundles()}, "
+                f"engines in {self.engine_bundles()}")
+
+
+def ray_placement(config: SaoConfig, with_engines: bool) -> RayPlacement:
+    """The placement of `config`'s trainer ranks and (when `with_engines`) its rollout engines."""
+    from megatron_sao.config.validate import trainer_world_size
+    from megatron_sao.planning.placement import gpu_layout
+
+    trainers = trainer_world_size(config)
+    gpu_engines = config.rollout.engine == "sglang"
+    engines = config.rollout.num_engines if with_engines else 0
+    if gpu_engines and engines:
+        resolved = gpu_layout(config).placement
+        placement = "colocated" if resolved == "colocated" else "disaggregated"
+        per_engine = config.rollout.sglang.tensor
+    else:
+        placement = "colocated" if config.launcher.engine_placement == "colocated" else "disaggregated"
+        per_engine = 1
+    import torch
+
+    return RayPlacement(placement=placement, trainer_ranks=trainers, num_engines=engines,
+                        devices_per_engine=per_engine, use_gpus=torch.cuda.is_available() or gpu_engines)
+
+
+def create_placement_group(placement: RayPlacement, timeout_s: float = 600.0) -> Any:
+    """Reserve the bundles (PACK: as few nodes as possible); a clear error when the cluster cannot
+    hold them within `timeout_s`."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    group = placement_group(placement.bundles(), strategy="PACK", name="")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(f"the Ray cluster could not reserve {placement.bundle_count} bundles "
+                           f"{placement.bundles()[0]} within {timeout_s:.0f} s ({placement.describe()}); "
+                           f"cluster resources: {ray.cluster_resources()}")
+    logger.info("%s", placement.describe())
+    return group
+
+
+def make_engine_supervisor(config: SaoConfig) -> Any:
+    """The engine supervisor factory of this run: Ray actors in the run's placement group when
+    this process is a rank placed by Ray, None otherwise (local engine processes)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return None
+    from megatron_sao.pipeline.ray_engines import RayEngineSupervisor
+
+    placement = ray_placement(config, with_engines=True)
+    num_cpus, num_gpus = placement.engine_resources()
+
+    def supervisor(engine_config: Any) -> RayEngineSupervisor:
+        return RayEngineSupervisor(engine_config, group, placement.engine_bundles(), num_cpus, num_gpus)
+
+    return supervisor
