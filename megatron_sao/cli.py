@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_sao.jobs.plan import add_plan_parser
 
     add_demo_parser(sub)
+    from megatron_sao.jobs.online import add_online_parser
+
+    add_online_parser(sub)
     add_convert_parser(sub)
     add_plan_parser(sub)
     add_launch_parser(sub)

@@ -40,6 +40,9 @@ class DemoPlan:
     value_prompts: int = 96
     value_samples_per_prompt: int = 4
     value_steps: int = 40
+    ray: bool = True
+    """Run the SAO stage with its trainer ranks and engines placed on a local Ray instance (the
+    placement clusters use); false: local processes."""
 
 
 def _stage_config(config: SaoConfig, stage: str, **overrides: Any) -> SaoConfig:
@@ -170,14 +173,25 @@ def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path)
     return sum(t.total_reward >= 1.0 for t in trajectories) / len(samples)
 
 
-def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What stages 1-3 leave for RL: the SFT policy (HF), the value-pretrained critic, the prompts."""
+
+    base: Path
+    sft_hf: Path
+    critic_checkpoints: Path
+    train_prompts: Path
+    heldout: list[Any]
+
+
+def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
+    """Stages 1-3 of the demo (model, conversion, SFT, value pretraining), each skipped when its
+    output exists: `sao demo` and `sao online` start RL from here."""
     from megatron_sao.jobs.train import run_train
     from megatron_sao.jobs.value_pretrain import run_pretrain
     from megatron_sao.models.build import prepare_hf_checkpoint
-    from megatron_sao.reporting.report import write_report
     from megatron_sao.valuepretrain.generate import run_generate
 
-    plan = plan or DemoPlan()
     seed = config.run.seed
     base = Path(config.run.output_dir) / config.run.name
     base.mkdir(parents=True, exist_ok=True)
@@ -190,7 +204,8 @@ def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
     sft = _stage_config(config, "sft", **{"data.trajectories_path": _demonstrations(config, base, plan, seed),
                                           "actor.load": mcore, "run.total_steps": plan.sft_steps,
                                           "actor.optim.lr": plan.sft_lr, "data.batch_size": plan.sft_batch_size,
-                                          "checkpoint.save_every": 0, "rollout.source": "recorded"})
+                                          "checkpoint.save_every": 0, "rollout.source": "recorded",
+                                          "launcher.ray": False})
     _check(run_train(sft, mode="sft"))
     sft_hf = _export_actor(replace(sft, actor=replace(sft.actor, load=str(_latest(base / "sft")))), base / "sft_hf")
 
@@ -199,14 +214,24 @@ def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
         "model.hf_path": sft_hf, "data.train_path": train_prompts, "run.total_steps": plan.value_steps,
         "value_pretrain.corpus_dir": base / "value_corpus", "value_pretrain.num_prompts": plan.value_prompts,
         "value_pretrain.samples_per_prompt": plan.value_samples_per_prompt, "critic.updates_per_actor_step": 1,
-        "checkpoint.save_every": 0, "value_pretrain.eval_every": plan.value_steps})
+        "checkpoint.save_every": 0, "value_pretrain.eval_every": plan.value_steps, "launcher.ray": False})
     run_generate(value)
     _check(run_pretrain(value))
+    return Prepared(base, sft_hf, base / "value" / "checkpoints", train_prompts, heldout)
+
+
+def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
+    from megatron_sao.jobs.train import run_train
+    from megatron_sao.reporting.report import write_report
+
+    plan = plan or DemoPlan()
+    prepared = prepare_policy_and_critic(config, plan)
+    base, sft_hf, heldout = prepared.base, prepared.sft_hf, prepared.heldout
 
     _say("[4/5] SAO RL through the asynchronous pipeline")
-    rl = _stage_config(config, "sao", **{"model.hf_path": sft_hf, "critic.load": base / "value" / "checkpoints",
-                                         "rollout.source": "engine", "data.train_path": train_prompts,
-                                         "critic.warmup_steps": 0})
+    rl = _stage_config(config, "sao", **{"model.hf_path": sft_hf, "critic.load": prepared.critic_checkpoints,
+                                         "rollout.source": "engine", "data.train_path": prepared.train_prompts,
+                                         "critic.warmup_steps": 0, "launcher.ray": plan.ray})
     _check(run_train(rl))
     sao_hf = _export_actor(replace(rl, actor=replace(rl.actor, load=str(_latest(base / "sao")))), base / "sao_hf")
 
@@ -247,6 +272,8 @@ def add_demo_parser(subparsers: Any) -> None:
     parser.add_argument("--sft-steps", type=int, default=DemoPlan.sft_steps)
     parser.add_argument("--value-steps", type=int, default=DemoPlan.value_steps)
     parser.add_argument("--heldout-prompts", type=int, default=DemoPlan.num_heldout_prompts)
+    parser.add_argument("--no-ray", dest="ray", action="store_false",
+                        help="run the SAO stage on local processes instead of a local Ray instance")
     parser.add_argument("--log-file", help="where third-party output goes (default: a new file in the temp "
                                            "directory, named on error); -v keeps it on the terminal")
     parser.set_defaults(quiet_log=True)
@@ -255,7 +282,7 @@ def add_demo_parser(subparsers: Any) -> None:
         from megatron_sao.config import load_config
 
         plan = DemoPlan(sft_steps=args.sft_steps, value_steps=args.value_steps,
-                        num_heldout_prompts=args.heldout_prompts)
+                        num_heldout_prompts=args.heldout_prompts, ray=args.ray)
         return run_demo(load_config(args.recipe, args.overrides), plan)
 
     parser.set_defaults(func=run)

@@ -13,6 +13,15 @@ from pathlib import Path
 def _cmd_report(args: argparse.Namespace) -> int:
     from megatron_sao.reporting.report import write_report
 
+    if args.compare:
+        from megatron_sao.reporting.compare import write_comparison
+
+        run_dirs = [Path(args.run_dir), *(Path(d) for d in args.compare)]
+        out = Path(args.out) if args.out else run_dirs[0] / "comparison"
+        comparison = write_comparison({d.name: d for d in run_dirs}, out, phase_steps=args.phase_steps)
+        print(f"sao report: {len(comparison.figures)} comparison figures of {len(run_dirs)} runs", flush=True)
+        print(comparison.page, flush=True)
+        return 0
     report = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
     missing = ", ".join(report.not_logged) or "nothing"
     print(f"sao report: {len(report.figures)} figures; not logged: {missing}", flush=True)
@@ -32,6 +41,13 @@ def add_report_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                     "RUN_DIR has no metrics.jsonl. See docs/report.md.",
     )
     report.add_argument("run_dir", help="a run directory (run.output_dir/run.name) holding metrics.jsonl")
-    report.add_argument("--out", default=None, help="directory to write into (default: RUN_DIR/report)")
+    report.add_argument("--out", default=None, help="directory to write into (default: RUN_DIR/report, or "
+                                                    "RUN_DIR/comparison with --compare)")
+    report.add_argument("--compare", nargs="+", metavar="OTHER_RUN_DIR", default=None,
+                        help="draw these runs beside RUN_DIR instead (reward, success, critic EV overlaid; "
+                             "reporting/compare.py)")
+    report.add_argument("--phase-steps", type=int, default=None,
+                        help="with --compare: steps per phase of a shifting reward (online mode): boundaries "
+                             "drawn, adaptation per phase tabulated")
     report.set_defaults(func=_cmd_report)
     return report

@@ -14,14 +14,17 @@ continues with the same buffer contents and data position.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.rollout.environment import PromptSample
 from megatron_sao.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -75,9 +78,10 @@ class EngineSource:
         engine_config.log_dir = log_dir(self.run_dir)
         self.service = RolloutService(
             engine_config, agent_loop_config_from(c), AutoTokenizer.from_pretrained(c.model.hf_path),
-            env_factory_from(c), self.prompts, self.buffer, max_inflight_per_engine=c.rollout.max_inflight_per_engine,
-            health_interval_s=p.engine_health_interval_s, health_timeout_s=p.engine_health_timeout_s,
-            health_failures=p.engine_health_failures, make_supervisor=make_engine_supervisor(c))
+            env_factory_from(c), positioned(self.prompts), self.buffer,
+            max_inflight_per_engine=c.rollout.max_inflight_per_engine, health_interval_s=p.engine_health_interval_s,
+            health_timeout_s=p.engine_health_timeout_s, health_failures=p.engine_health_failures,
+            make_supervisor=make_engine_supervisor(c))
 
     def describe(self) -> str:
         if not self.rank0:
@@ -223,3 +227,18 @@ class EngineSource:
             self.service.stop()
         if self._sync_impl is not None:
             self._sync_impl.exporter.close()
+
+
+def positioned(stream: Any) -> Iterator[PromptSample]:
+    """The stream's prompts, each with its draw number in `metadata["stream_position"]` (0, 1,
+    ...; a function of the stream's restorable position, so it survives a resume). Environments
+    whose behaviour changes over a run (`calc_shift`, online mode) read it. A prompt handed out
+    again after a resume keeps the number it was first drawn with."""
+    from megatron_sao.rollout.environment import STREAM_POSITION_KEY
+
+    per_epoch = len(stream.samples) * stream.group_size
+    for sample in stream:
+        if STREAM_POSITION_KEY not in sample.metadata:
+            position = stream.epoch * per_epoch + stream.index - 1
+            sample = dataclasses.replace(sample, metadata={**sample.metadata, STREAM_POSITION_KEY: position})
+        yield sample

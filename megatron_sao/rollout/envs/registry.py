@@ -21,6 +21,8 @@ EnvBuilder = Callable[..., EnvFactory]
 _REGISTRY: dict[str, str | EnvBuilder] = {
     "math_python": "megatron_sao.rollout.envs.math_python:make_math_python",
     "calc": "megatron_sao.rollout.envs.calc:make_calc",
+    "calc_shift": "megatron_sao.rollout.envs.calc_shift:make_calc_shift",
+    "longtail": "megatron_sao.rollout.envs.longtail:make_longtail",
     "subprocess": "megatron_sao.rollout.envs.external:make_subprocess_env",
     "guess_number": "megatron_sao.rollout.envs.external:make_guess_number",
     "openai_scaffold": "megatron_sao.rollout.envs.openai_scaffold:make_openai_scaffold",
