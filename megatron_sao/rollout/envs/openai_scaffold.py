@@ -205,10 +205,15 @@ def make_openai_scaffold(command: str | list[str], verifier_command: str | list[
                          **kwargs: Any) -> Any:
     """Registry builder: commands as lists or shell-like strings, `OpenAIScaffoldConfig` fields, and
     the gateway's options (`GatewayConfig` host / port / tool_call_format / model_name), which the
-    runner reads from the factory's `gateway_options`."""
+    runner reads from the factory's `gateway_options`. `{python}` in a command is this process's
+    interpreter: a recipe cannot know where the run's virtual environment is, and `python` on the
+    PATH need not be it (`.venv/bin/sao train` does not put `.venv/bin` on the PATH)."""
 
     def argv(value: str | list[str] | None) -> tuple[str, ...] | None:
-        return None if value is None else tuple(shlex.split(value) if isinstance(value, str) else value)
+        if value is None:
+            return None
+        parts = shlex.split(value) if isinstance(value, str) else value
+        return tuple(str(part).replace("{python}", sys.executable) for part in parts)
 
     config = OpenAIScaffoldConfig(command=argv(command) or (), verifier_command=argv(verifier_command),
                                   container_command=argv(container_command) or (), **kwargs)

@@ -1,23 +1,35 @@
 """The agent gateway: unmodified scaffolds (OpenAI-compatible API) in front of the engine pool,
-recorded token-exactly into trajectories (docs/gateway.md)."""
+recorded token-exactly into trajectories (docs/gateway.md).
 
-from megatron_sao.rollout.gateway.runner import ScaffoldRunner, limits_from, make_runner
-from megatron_sao.rollout.gateway.server import Gateway, GatewayConfig
-from megatron_sao.rollout.gateway.session import GatewaySession
-from megatron_sao.rollout.gateway.tool_parsers import GlmToolFormat, ParsedCall, Qwen3ToolFormat, get_tool_format
-from megatron_sao.rollout.gateway.types import GatewayError, SessionLimits
+The names below load on first use: programs a scaffold starts once per tool call or episode
+(`sandbox_exec`, `examples/`) live in this package and must not pay for fastapi and the agent
+loop (~1.5 s of start-up each) when they import nothing of it.
+"""
 
-__all__ = [
-    "Gateway",
-    "GatewayConfig",
-    "GatewayError",
-    "GatewaySession",
-    "GlmToolFormat",
-    "ParsedCall",
-    "Qwen3ToolFormat",
-    "ScaffoldRunner",
-    "SessionLimits",
-    "get_tool_format",
-    "limits_from",
-    "make_runner",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ScaffoldRunner": "runner",
+    "limits_from": "runner",
+    "make_runner": "runner",
+    "Gateway": "server",
+    "GatewayConfig": "server",
+    "GatewaySession": "session",
+    "GlmToolFormat": "tool_parsers",
+    "ParsedCall": "tool_parsers",
+    "Qwen3ToolFormat": "tool_parsers",
+    "get_tool_format": "tool_parsers",
+    "GatewayError": "types",
+    "SessionLimits": "types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megatron_sao.rollout.gateway' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"megatron_sao.rollout.gateway.{_EXPORTS[name]}"), name)
