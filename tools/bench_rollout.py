@@ -3,7 +3,7 @@
     python tools/bench_rollout.py                      # tiny Qwen3-MoE, batch 1 / 8 / 32
     python tools/bench_rollout.py --model HF_DIR --threads 2 --batch-sizes 1 8 32 64
 
-The engine runs as its own process (started by EngineLauncher, as in a run); `batch` concurrent
+The engine runs as its own process (started by EngineSupervisor, as in a run); `batch` concurrent
 clients each send one `/generate` of `--new-tokens` tokens (ignore_eos, temperature 1,
 return_logprob) at a time, for `--rounds` rounds. tokens/s counts generated tokens only; the
 prompt is prefilled once per request. The machine's load average is printed because shared
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_sao.rollout.client import EngineClient, SamplingParams
-from megatron_sao.rollout.launcher import EngineConfig, EngineLauncher
+from megatron_sao.rollout.engine_supervisor import EngineConfig, EngineSupervisor
 
 
 async def measure(url: str, batch: int, new_tokens: int, prompt_len: int, rounds: int) -> tuple[int, float]:
@@ -64,7 +64,7 @@ def main() -> None:
             max_running_requests=max(args.batch_sizes),
             log_dir=str(Path(tmp) / "logs"),
         )
-        with EngineLauncher(config) as launcher:
+        with EngineSupervisor(config) as supervisor:
             print(
                 f"CPU engine: {model}, torch threads {args.threads}, cores {os.cpu_count()}, "
                 f"load average {os.getloadavg()[0]:.1f}"
@@ -73,7 +73,7 @@ def main() -> None:
             print(f"{'batch':>5} {'tokens':>8} {'seconds':>8} {'tokens/s':>10} {'ms/step':>8}")
             for batch in args.batch_sizes:
                 generated, elapsed = asyncio.run(
-                    measure(launcher.urls[0], batch, args.new_tokens, args.prompt_len, args.rounds)
+                    measure(supervisor.urls[0], batch, args.new_tokens, args.prompt_len, args.rounds)
                 )
                 ms_per_step = 1000 * elapsed / (args.rounds * args.new_tokens)
                 print(f"{batch:>5} {generated:>8} {elapsed:>8.2f} {generated / elapsed:>10.0f} {ms_per_step:>8.2f}")

@@ -150,14 +150,14 @@ def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path)
     from megatron_sao.rollout.agent_loop import AgentLoop
     from megatron_sao.rollout.client import EngineClient
     from megatron_sao.rollout.engine_pool import EnginePool
-    from megatron_sao.rollout.launcher import EngineLauncher
+    from megatron_sao.rollout.engine_supervisor import EngineSupervisor
     from megatron_sao.rollout.settings import agent_loop_config_from, engine_config_from, env_factory_from
 
     engine_config = engine_config_from(config, model_path=str(hf_dir))
     log_dir.mkdir(parents=True, exist_ok=True)
     engine_config.log_dir = str(log_dir)
-    with EngineLauncher(engine_config) as launcher:  # started on entry, stopped on exit
-        urls = launcher.urls
+    with EngineSupervisor(engine_config) as supervisor:  # started on entry, stopped on exit
+        urls = supervisor.urls
 
         async def run() -> list[Any]:
             pool = EnginePool([EngineClient(u) for u in urls])

@@ -182,7 +182,7 @@ class EngineSource:
             return
         self._sync_metrics = report.metrics()
         if report.path:  # disk mode: a restarted engine loads the current weights
-            self.service.launcher.set_weights(report.path, str(label))
+            self.service.supervisor.set_weights(report.path, str(label))
         logger.info("engines %s at weight version %s (%.2f s, %.1f MB)", ",".join(report.engines), label,
                     report.seconds, report.num_bytes / 2**20)
 

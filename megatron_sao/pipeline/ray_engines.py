@@ -1,11 +1,11 @@
 """Rollout engines as Ray actors: the engine supervisor for runs placed on Ray.
 
 Each engine gets an `_EngineHost` actor in its placement-group bundle, on whichever node Ray put
-that bundle. The host runs an `EngineLauncher` of that one engine: the server is a child process
+that bundle. The host runs an `EngineSupervisor` of that one engine: the server is a child process
 of the actor, listens on the node's IP, and is restarted by the host when it dies (same URL, so
 the engine pool's clients keep working). `RayEngineSupervisor` gathers the hosts behind the
 interface `RolloutService` uses for local engines (`start`, `start_monitor`, `alive`, `kill`,
-`total_restarts`, `stop`).
+`total_restarts`, `set_weights`, `stop`).
 
 GPU engines: Ray would confine an actor to the GPUs it requested; an engine spanning
 `gpus_per_engine` GPUs (SGLang TP) needs them all, so the host asks Ray not to set
@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from megatron_sao.rollout.launcher import EngineConfig, EngineLauncher
+from megatron_sao.rollout.engine_supervisor import EngineConfig, EngineSupervisor
 
 _NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
@@ -31,27 +31,30 @@ class _EngineHost:
         import ray
 
         gpu_ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        self.launcher = EngineLauncher(dataclasses.replace(
+        self.supervisor = EngineSupervisor(dataclasses.replace(
             config, num_engines=1, first_index=index, host=ray.util.get_node_ip_address(), base_port=0,
             base_gpu_id=int(gpu_ids[0]) if gpu_ids else config.base_gpu_id))
 
     def start(self) -> str:
-        return self.launcher.start()[0]
+        return self.supervisor.start()[0]
 
     def start_monitor(self) -> None:
-        self.launcher.start_monitor()
+        self.supervisor.start_monitor()
 
     def alive(self) -> bool:
-        return self.launcher.alive(0)
+        return self.supervisor.alive(0)
 
     def restarts(self) -> int:
-        return self.launcher.total_restarts()
+        return self.supervisor.total_restarts()
 
     def kill(self, sig: int) -> None:
-        self.launcher.kill(0, sig)
+        self.supervisor.kill(0, sig)
+
+    def set_weights(self, model_path: str, weight_version: str) -> None:
+        self.supervisor.set_weights(model_path, weight_version)
 
     def stop(self) -> None:
-        self.launcher.stop()
+        self.supervisor.stop()
 
 
 class RayEngineSupervisor:
@@ -114,6 +117,12 @@ class RayEngineSupervisor:
         import ray
 
         ray.get(self.hosts[index].kill.remote(sig))
+
+    def set_weights(self, model_path: str, weight_version: str) -> None:
+        """Engines restarted from now on load `model_path` at `weight_version` (disk weight sync)."""
+        import ray
+
+        ray.get([h.set_weights.remote(model_path, weight_version) for h in self.hosts])
 
     def stop(self) -> None:
         import ray

@@ -1,7 +1,7 @@
 """The rollout side of a run: engines, the agent loop and the ready buffer, on a thread of its own.
 
 `RolloutService` runs an asyncio loop on a background thread: it starts the engine servers
-(`rollout.launcher.EngineLauncher`: SGLang on GPU, the CPU engine here; restarted when they die),
+(`rollout.engine_supervisor.EngineSupervisor`: SGLang on GPU, the CPU engine here; restarted when they die),
 runs the agent loop over the prompt stream with at most `rollout.max_inflight_per_engine`
 trajectories per engine, and puts every finished trajectory into the `ReadyBuffer` the moment it
 completes. The trainer, on the calling thread, takes batches from the buffer and hands new
@@ -45,7 +45,7 @@ class RolloutService:
                  health_interval_s: float = 5.0, health_timeout_s: float = 10.0, health_failures: int = 3,
                  make_supervisor: Callable[[Any], Any] | None = None) -> None:
         self.engine_config = engine_config
-        # The engine supervisor: local processes (`EngineLauncher`) unless the run places its
+        # The engine supervisor: local processes (`EngineSupervisor`) unless the run places its
         # engines elsewhere (`pipeline.placement.make_engine_supervisor`: Ray actors).
         self.make_supervisor = make_supervisor
         self.agent_config = agent_config
@@ -66,7 +66,7 @@ class RolloutService:
         self._suspended = False
         self._task: asyncio.Future | None = None
         self._watchdog: asyncio.Future | None = None
-        self.launcher: Any = None
+        self.supervisor: Any = None
         self.pool: Any = None
         self.agent: Any = None
         self.error: BaseException | None = None
@@ -77,12 +77,12 @@ class RolloutService:
         """Start the engines (blocking until healthy) and the rollout; returns the engine URLs."""
         from megatron_sao.rollout.client import EngineClient
         from megatron_sao.rollout.engine_pool import EnginePool
+        from megatron_sao.rollout.engine_supervisor import EngineSupervisor
         from megatron_sao.rollout.gateway.runner import make_runner
-        from megatron_sao.rollout.launcher import EngineLauncher
 
-        self.launcher = (self.make_supervisor or EngineLauncher)(self.engine_config)
-        urls = self.launcher.start()
-        self.launcher.start_monitor()
+        self.supervisor = (self.make_supervisor or EngineSupervisor)(self.engine_config)
+        urls = self.supervisor.start()
+        self.supervisor.start_monitor()
         self._thread.start()
 
         async def build() -> None:
@@ -112,8 +112,8 @@ class RolloutService:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
-        if self.launcher is not None:
-            self.launcher.stop()
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
     # ---- called by the trainer ---------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class RolloutService:
         out = {f"rollout/{k}": float(c[k]) for k in ("started", "completed", "aborted", "failed", "requeued",
                                                      "engine_hangs")}
         out["rollout/in_flight"] = float(c["started"] - finished)
-        out["rollout/engine_restarts"] = float(self.launcher.total_restarts()) if self.launcher else 0.0
+        out["rollout/engine_restarts"] = float(self.supervisor.total_restarts()) if self.supervisor else 0.0
         return out
 
     def raise_if_failed(self) -> None:
@@ -227,7 +227,7 @@ class RolloutService:
         while not self._stopping:
             await asyncio.sleep(self.health_interval_s)
             for index, client in enumerate(self.pool.clients):
-                if not await asyncio.to_thread(self.launcher.alive, index):
+                if not await asyncio.to_thread(self.supervisor.alive, index):
                     failures[index] = 0  # dead or restarting: not a hang
                     continue
                 ok = await client.health_generate(timeout_s=self.health_timeout_s)
@@ -237,7 +237,7 @@ class RolloutService:
                                    client.base_url, failures[index])
                     self.counts["engine_hangs"] += 1
                     failures[index] = 0
-                    self.launcher.kill(index)
+                    self.supervisor.kill(index)
 
     async def _produce(self) -> None:
         async for traj in self.agent.iter_trajectories(self._samples()):

@@ -6,7 +6,7 @@ for `--node-rank`, meeting at `--dist-init-addr` (the first node's IP and a port
 block); only node rank 0 serves HTTP. Engines of at most one node's GPUs are packed onto nodes
 side by side (`--base-gpu-id`). This module computes that placement from the engine nodes of the
 allocation and writes the per-node command lines; starting and watching the processes is the
-rollout pipeline's job (rollout/launcher.py for engines on one node).
+rollout pipeline's job (rollout/engine_supervisor.py for engines on one node).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron_sao.config.schema import RolloutConfig, SaoConfig
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
-from megatron_sao.rollout.launcher import EngineConfig
+from megatron_sao.rollout.engine_supervisor import EngineConfig
 
 # What each shipped environment takes from `SaoConfig.rollout` (its builder's keyword arguments);
 # `rollout.environment_kwargs` overrides these.

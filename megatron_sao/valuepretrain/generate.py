@@ -155,7 +155,7 @@ async def _run(config: SaoConfig, plans: list[ShardPlan], manifest: Manifest, co
     from megatron_sao.rollout.agent_loop import AgentLoop
     from megatron_sao.rollout.client import EngineClient
     from megatron_sao.rollout.engine_pool import EnginePool
-    from megatron_sao.rollout.launcher import EngineLauncher
+    from megatron_sao.rollout.engine_supervisor import EngineSupervisor
     from megatron_sao.rollout.settings import agent_loop_config_from, engine_config_from
 
     vp = config.value_pretrain
@@ -167,9 +167,9 @@ async def _run(config: SaoConfig, plans: list[ShardPlan], manifest: Manifest, co
     progress = _Progress(sum(expected.values()), len(plans))
     engine_config = dataclasses.replace(engine_config_from(config), log_dir=str(corpus_dir / "engine_logs"))
     try:
-        with EngineLauncher(engine_config) as launcher:
-            launcher.start_monitor()
-            pool = EnginePool([EngineClient(url) for url in launcher.urls], config.rollout.max_inflight_per_engine)
+        with EngineSupervisor(engine_config) as supervisor:
+            supervisor.start_monitor()
+            pool = EnginePool([EngineClient(url) for url in supervisor.urls], config.rollout.max_inflight_per_engine)
             loop = AgentLoop(agent_loop_config_from(config), AutoTokenizer.from_pretrained(config.model.hf_path), pool,
                              _env_factory(config))
             watcher = asyncio.create_task(_abort_on(stop, loop))

@@ -88,7 +88,8 @@ def test_hung_engine_is_detected_and_replaced(tmp_path, tiny_hf_dir):
 
 
 @pytest.mark.timeout(900)
-def test_sigterm_checkpoints_the_buffer_and_resume_continues(tmp_path, tiny_hf_dir):
+@pytest.mark.parametrize("ray", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["local", "ray"])
+def test_sigterm_checkpoints_the_buffer_and_resume_continues(tmp_path, tiny_hf_dir, ray):
     prompts = tmp_path / "calc.jsonl"
     from megatron_sao.rollout.envs.calc import write_calc_dataset
 
@@ -97,7 +98,8 @@ def test_sigterm_checkpoints_the_buffer_and_resume_continues(tmp_path, tiny_hf_d
                  "launcher.nproc_per_node=1", "parallelism.expert=1", "logging.wandb_mode=disabled",
                  "rollout.source=engine", "rollout.num_engines=1", "rollout.max_turns=3",
                  "rollout.max_new_tokens_per_turn=12", "rollout.max_total_tokens=320", f"data.train_path={prompts}",
-                 "data.batch_size=4", "critic.warmup_steps=1", "checkpoint.save_every=100", "run.total_steps=40"]
+                 "data.batch_size=4", "critic.warmup_steps=1", "checkpoint.save_every=100", f"launcher.ray={ray}",
+                 "run.total_steps=40"]
     command = [sys.executable, "-m", "megatron_sao.cli", "train", str(REPO / "recipes" / "tiny_cpu.yaml")]
     proc = subprocess.Popen([*command, *overrides], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

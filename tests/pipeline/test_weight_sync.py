@@ -150,7 +150,7 @@ def test_single_rank_trainer_syncs_every_mode(tmp_path):
 def test_sglang_engine_takes_each_mode(mode, tmp_path):
     """GPU only: the same pushes into a real SGLang server (CUDA-IPC payload, NCCL group, disk)."""
     pytest.importorskip("sglang", reason="the GPU test needs sglang (requirements-gpu.txt)")
-    from megatron_sao.rollout.launcher import EngineConfig, EngineLauncher
+    from megatron_sao.rollout.engine_supervisor import EngineConfig, EngineSupervisor
 
     class CudaExporter(CheckpointExporter):
         def buckets(self, bucket_bytes: int, cpu: bool = True, src_rank: int = 0):
@@ -162,7 +162,7 @@ def test_sglang_engine_takes_each_mode(mode, tmp_path):
                           extra_args=["--dtype", "float32", "--attention-backend", "triton", "--disable-cuda-graph"])
     sync_config = WeightSyncConfig(mode=mode, bucket_mb=0.05, checksum=True, disk_dir=str(tmp_path / "sync"),
                                    engine_format="sglang")
-    with EngineLauncher(config) as launcher:
+    with EngineSupervisor(config) as launcher:
         client = EngineClient(launcher.urls[0])
 
         async def go():

@@ -236,7 +236,7 @@ def test_dropped_client_connection_aborts_its_request(engine):
 
 def test_unreachable_engine_raises_unavailable():
     from megatron_sao.rollout.client import EngineUnavailableError
-    from megatron_sao.rollout.launcher import free_port
+    from megatron_sao.rollout.engine_supervisor import free_port
 
     client = EngineClient(f"http://127.0.0.1:{free_port()}", connect_timeout_s=2)
     with pytest.raises(EngineUnavailableError):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from megatron_sao.rollout.client import EngineClient, EngineUnavailableError, SamplingParams
 from megatron_sao.rollout.cpu_engine.request import EngineRequest
 from megatron_sao.rollout.cpu_engine.sampling import SamplingConfig
-from megatron_sao.rollout.launcher import free_port
+from megatron_sao.rollout.engine_supervisor import free_port
 from tests.rollout.engine_helpers import cpu_engine, tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_sao.rollout.client import EngineClient, EngineError, SamplingParams
-from megatron_sao.rollout.launcher import free_port
+from megatron_sao.rollout.engine_supervisor import free_port
 from megatron_sao.rollout.weight_transfer import (
     SAFETENSORS_LOAD_FORMAT,
     broadcast_tensors,

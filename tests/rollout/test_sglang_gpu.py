@@ -1,4 +1,4 @@
-"""The real SGLang path on a GPU: launch through EngineLauncher, generate token-in / token-out
+"""The real SGLang path on a GPU: launch through EngineSupervisor, generate token-in / token-out
 with log-probs through EngineClient, refit from disk. Skipped on CPU machines."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_sao.rollout.client import EngineClient, SamplingParams
-from megatron_sao.rollout.launcher import EngineConfig, EngineLauncher
+from megatron_sao.rollout.engine_supervisor import EngineConfig, EngineSupervisor
 from tests.rollout.engine_helpers import tiny_checkpoint, tiny_checkpoint_other_seed
 
 
@@ -25,7 +25,7 @@ def test_sglang_generates_with_logprobs_and_refits_from_disk(tmp_path):
     )
     prompt = list(range(10, 40))
     params = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)
-    with EngineLauncher(config) as launcher:
+    with EngineSupervisor(config) as launcher:
         client = EngineClient(launcher.urls[0])
 
         async def go():

@@ -3,7 +3,7 @@
 Prints `ready on http://HOST:PORT` once it serves. Stops on the first SIGINT / SIGTERM: requests
 in flight are answered (503) and the process exits. Third-party output (transformers, uvicorn,
 torch) goes to `--log-file`; without it, to a file in the temp directory when stderr is a
-terminal, and stays on stderr otherwise (a launcher that captures it, as rollout/launcher.py does).
+terminal, and stays on stderr otherwise (a launcher that captures it, as rollout/engine_supervisor.py does).
 """
 
 from __future__ import annotations

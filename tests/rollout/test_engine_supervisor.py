@@ -1,4 +1,4 @@
-"""The engine launcher: SGLang command lines from the config, clear errors, and a crashed CPU
+"""The engine supervisor: SGLang command lines from the config, clear errors, and a crashed CPU
 engine restarted while the agent loop re-sends its in-flight calls (no trajectory lost)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_sao.rollout.client import EngineClient
 from megatron_sao.rollout.engine_pool import EnginePool
+from megatron_sao.rollout.engine_supervisor import EngineConfig, EngineSupervisor
 from megatron_sao.rollout.environment import StepResult
-from megatron_sao.rollout.launcher import EngineConfig, EngineLauncher
 from megatron_sao.rollout.trajectory import TrajectoryStatus
 from tests.rollout.engine_helpers import ScriptedEnv, sample, stoppy_checkpoint
 
@@ -35,7 +35,7 @@ def test_sglang_command_carries_the_parallel_layout():
         extra_args=["--attention-backend", "fa3"],
     )
     assert config.gpus_per_engine == 8
-    cmd = EngineLauncher(config).command(1, 31001)
+    cmd = EngineSupervisor(config).command(1, 31001)
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
     assert flags["--model-path"] == "/ckpt/hf" and flags["--port"] == "31001"
@@ -46,9 +46,9 @@ def test_sglang_command_carries_the_parallel_layout():
 
 
 def test_restarts_load_the_latest_published_weights():
-    launcher = EngineLauncher(EngineConfig(model_path="/ckpt/v0"))
-    launcher.set_weights("/ckpt/v7", "7")
-    cmd = launcher.command(0, 30000)
+    supervisor = EngineSupervisor(EngineConfig(model_path="/ckpt/v0"))
+    supervisor.set_weights("/ckpt/v7", "7")
+    cmd = supervisor.command(0, 30000)
     assert cmd[cmd.index("--model") + 1] == "/ckpt/v7" and cmd[cmd.index("--weight-version") + 1] == "7"
 
 
@@ -64,14 +64,14 @@ def test_restarts_load_the_latest_published_weights():
 )
 def test_bad_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
-        EngineLauncher(EngineConfig(**{"model_path": "/m", **overrides}))
+        EngineSupervisor(EngineConfig(**{"model_path": "/m", **overrides}))
 
 
 def test_sglang_backend_without_sglang_names_the_package(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     with pytest.raises(ImportError, match=r"sglang==0\.5\.23"):
-        EngineLauncher(EngineConfig(backend="sglang", model_path="/m")).start()
+        EngineSupervisor(EngineConfig(backend="sglang", model_path="/m")).start()
 
 
 class SlowEnv(ScriptedEnv):
@@ -83,9 +83,9 @@ class SlowEnv(ScriptedEnv):
 def test_crashed_engine_is_restarted_and_its_trajectories_requeued(tmp_path):
     config = EngineConfig(model_path=str(stoppy_checkpoint()), num_engines=2, log_dir=str(tmp_path), max_restarts=2)
     tokenizer = AutoTokenizer.from_pretrained(stoppy_checkpoint())
-    with EngineLauncher(config) as launcher:
-        launcher.start_monitor(interval_s=0.2)
-        clients = [EngineClient(url) for url in launcher.urls]
+    with EngineSupervisor(config) as supervisor:
+        supervisor.start_monitor(interval_s=0.2)
+        clients = [EngineClient(url) for url in supervisor.urls]
         loop = AgentLoop(
             AgentLoopConfig(max_turns=30, max_new_tokens_per_turn=128, max_total_tokens=4096),
             tokenizer,
@@ -97,17 +97,17 @@ def test_crashed_engine_is_restarted_and_its_trajectories_requeued(tmp_path):
             task = asyncio.create_task(loop.run([sample(f"p{i}") for i in range(12)]))
             while (await clients[0].get_server_info())["internal_states"][0]["num_running_reqs"] == 0:
                 await asyncio.sleep(0.01)
-            launcher.kill(0)  # SIGKILL the whole engine process group mid-generation
+            supervisor.kill(0)  # SIGKILL the whole engine process group mid-generation
             trajs = await asyncio.wait_for(task, 180)
             healthy = [await c.health_generate() for c in clients]
             return trajs, healthy
 
         trajs, healthy = asyncio.run(go())
-        assert launcher.engines[0].restarts == 1 and launcher.engines[1].restarts == 0
+        assert supervisor.engines[0].restarts == 1 and supervisor.engines[1].restarts == 0
     assert healthy == [True, True]
     assert len(trajs) == 12
     assert sum(t.num_engine_retries for t in trajs) >= 1  # calls in flight on engine 0 were re-sent
     for traj in trajs:
         traj.validate()
         assert traj.status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED), traj.status_reason
-    assert all(h.process is not None and h.process.poll() is not None for h in launcher.engines)  # stopped
+    assert all(h.process is not None and h.process.poll() is not None for h in supervisor.engines)  # stopped

@@ -1,6 +1,6 @@
 """Starting, watching and restarting rollout engines.
 
-`EngineLauncher` starts `num_engines` servers, one process group each: real SGLang servers on GPU
+`EngineSupervisor` starts `num_engines` servers, one process group each: real SGLang servers on GPU
 (`python -m sglang.launch_server ...`, parallelism from `EngineConfig`) or the project's CPU
 engine (`python -m megatron_sao.rollout.cpu_engine ...`). It waits for `/health_generate`,
 and restarts an engine whose process died on the same host and port, so clients keep their URL;
@@ -78,7 +78,7 @@ class EngineConfig:
     cpu_dtype: str = "float32"
     startup_timeout_s: float = 600.0
     max_restarts: int = 3
-    """Restarts per engine before the launcher gives up on it."""
+    """Restarts per engine before the supervisor gives up on it."""
     log_dir: str | None = None
     """Engine i writes its output to log_dir/engine_{i}.log (None: inherit this process's)."""
 
@@ -123,7 +123,7 @@ def _repo_root() -> str:
     return str(Path(megatron_sao.__file__).resolve().parent.parent)
 
 
-class EngineLauncher:
+class EngineSupervisor:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
@@ -333,7 +333,7 @@ class EngineLauncher:
                     handle.log_file.close()
                     handle.log_file = None
 
-    def __enter__(self) -> EngineLauncher:
+    def __enter__(self) -> EngineSupervisor:
         self.start()
         return self
 
