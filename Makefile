@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup demo demo-recorded demo-engine test test-slow lint clean
+.PHONY: setup demo demo-recorded demo-engine demo-swe online test test-slow lint clean
 
 setup:
 	@bash tools/setup_env.sh
@@ -27,6 +27,17 @@ demo-recorded: setup
 demo-engine: setup
 	$(VENV)/bin/python tools/make_calc_prompts.py --out checkpoints/calc/train.jsonl --num 2048 --seed 0
 	$(VENV)/bin/sao train recipes/tiny_cpu_engine.yaml
+
+# The agent gateway's worked example: a small SWE agent (openai client, bash tool in the sandbox)
+# trained a few steps through the gateway on the tiny model (docs/gateway.md#worked-example).
+demo-swe: setup
+	$(VENV)/bin/python -m megatron_sao.rollout.gateway.examples.swe_tasks --out checkpoints/swe/train.jsonl --num 256
+	$(VENV)/bin/sao train recipes/tiny_cpu_swe.yaml
+
+# Online mode: a reward that shifts in three phases; SAO's critic vs a running-mean baseline,
+# compared side by side (docs/pipeline.md#online-mode). Reuses the demo's SFT and value stages.
+online: setup
+	$(VENV)/bin/sao online recipes/tiny_cpu_online.yaml
 
 # Default test suite (CPU; GPU tests skip; slow tests excluded). Exits non-zero on any failure.
 test: setup

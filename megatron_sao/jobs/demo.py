@@ -32,9 +32,9 @@ class DemoPlan:
     """The sizes of the stages (the recipe gives the model, layout, RL settings and run.total_steps)."""
 
     num_train_prompts: int = 2048
-    num_heldout_prompts: int = 64
+    num_heldout_prompts: int = 128
     num_demonstrations: int = 1024
-    sft_steps: int = 300
+    sft_steps: int = 200
     sft_lr: float = 1e-3
     sft_batch_size: int = 32
     value_prompts: int = 96

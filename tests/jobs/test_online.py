@@ -1,0 +1,31 @@
+"""`sao online`: the shifting-reward recipe end to end with tiny stages (two RL runs, compared)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_online_runs_both_estimators_and_compares_them(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_sao.cli", "online", str(REPO / "recipes" / "tiny_cpu_online.yaml"),
+         f"run.output_dir={tmp_path}", f"model.hf_path={tmp_path / 'hf'}", "data.batch_size=4",
+         "rollout.environment_kwargs.phase_length=8", "--sft-steps", "10", "--value-steps", "4"],
+        capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("comparison: ") and Path(lines[-1].removeprefix("comparison: ")).is_file()
+    assert lines[-3].startswith("critic: phase 0 (result)") and lines[-2].startswith("running_mean: phase 0")
+    base = tmp_path / "tiny_cpu_online"
+    for name in ("online_critic", "online_running_mean"):
+        rows = (base / name / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == 6  # 3 phases x 2 steps
+    page = (base / "online_report" / "index.html").read_text()
+    assert "Adaptation per phase (2 steps each)" in page
