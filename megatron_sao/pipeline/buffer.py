@@ -31,6 +31,17 @@ the tokens whose ratio left the band). Both are counted, and every batch logs th
 staleness histogram (`staleness/token_frac_{s}`, s = 0..max_staleness, and
 `staleness/token_frac_over` beyond it) and the buffer wait times (put -> taken).
 
+Barrier (synchronous baselines, `barrier=True`): every trajectory awaits `wait_for_round_async()`
+before it generates (`round_gated` wraps the environments so). When the trainer calls `take` for
+a new batch a round opens with as many permits as the batch lacks (`batch_size` minus what the
+buffer holds), handed to the waiting trajectories in arrival order; a FAILED or ABORTED one that
+is `put` while the round is open gives its permit to the next. The round closes when the batch
+is taken. So generation runs only while the trainer waits for a batch and the trainer only while
+nothing generates: one round of `batch_size` rollouts per step, every token sampled by the
+current actor (staleness 0), as synchronous GRPO does. (The gate sits inside each trajectory, not
+in the producer: a producer blocked on its next prompt would stop handing finished trajectories
+to the buffer.)
+
 Accounting, a contract checked by the tests: `buffer/put == buffer/taken + buffer/dropped_stale
 + buffer/failed + buffer/aborted + buffer/num_ready + buffer/num_pending` at every moment.
 """
@@ -103,13 +114,16 @@ class ReadyBuffer:
     [pipeline.staleness_check], `stale_policy` drop | keep [pipeline.stale_policy],
     `max_buffered` trajectories held before producers must wait, None = unbounded
     [pipeline.max_buffered], `distinct_prompts` one trajectory (group) per prompt in a batch
-    [pipeline.distinct_prompts]; `clock` is the time source of the wait-time metric.
+    [pipeline.distinct_prompts], `barrier` synchronous rounds (module docstring; every
+    trajectory awaits `wait_for_round_async` before generating); `clock` is the time source of
+    the wait-time metric.
     """
 
     def __init__(self, *, group_size: int = 1, max_staleness: int = 4,
                  staleness_check: Literal["token", "trajectory"] = "token",
                  stale_policy: Literal["drop", "keep"] = "drop", max_buffered: int | None = None,
-                 distinct_prompts: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 distinct_prompts: bool = True, barrier: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if group_size < 1:
             raise ValueError(f"algorithm.group_size must be >= 1, got {group_size}")
         if max_staleness < 0:
@@ -126,6 +140,7 @@ class ReadyBuffer:
         self.stale_policy = stale_policy
         self.max_buffered = max_buffered
         self.distinct_prompts = distinct_prompts
+        self.barrier = barrier
         self.clock = clock
         self.counts: collections.Counter[str] = collections.Counter()
         self._ready: collections.deque[_Group] = collections.deque()
@@ -133,6 +148,10 @@ class ReadyBuffer:
         self._cond = threading.Condition()
         self._room_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._batch_metrics: dict[str, float] = {}
+        self._round_open = False  # barrier: a consumer waits for a batch that is not complete
+        self._permits = 0  # barrier: trajectories the open round may still start
+        self._round_waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = \
+            collections.deque()
 
     # ---- producers -------------------------------------------------------------------------------
 
@@ -145,6 +164,9 @@ class ReadyBuffer:
             trainable = traj.status in TRAINABLE
             if not trainable:
                 self.counts[str(traj.status)] += 1
+                if self.barrier and self._round_open:  # its permit goes to the next trajectory
+                    self._permits += 1
+                    self._grant_permits()
             if self.group_size == 1:
                 if trainable:
                     self._ready.append(_Group(traj.trajectory_id, traj.prompt_id, [_Entry(traj, self.clock())]))
@@ -163,6 +185,29 @@ class ReadyBuffer:
                     self._cond.notify_all()
                 else:
                     self.counts["dropped_groups"] += 1
+
+    async def wait_for_round_async(self) -> None:
+        """Barrier: wait for a permit of the open round (see the module docstring) before
+        generating; returns at once without a barrier."""
+        if not self.barrier:
+            return
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if self._permits > 0 and not self._round_waiters:
+                self._permits -= 1
+                return
+            future = loop.create_future()
+            self._round_waiters.append((loop, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            with self._cond:
+                if (loop, future) in self._round_waiters:
+                    self._round_waiters.remove((loop, future))
+                elif self._round_open:  # granted, then cancelled: the permit goes to the next one
+                    self._permits += 1
+                    self._grant_permits()
+            raise
 
     def num_ready(self) -> int:
         """Trainable trajectories released and waiting to be taken."""
@@ -218,7 +263,12 @@ class ReadyBuffer:
                 self._drop_stale(actor_version)
                 chosen = self._select(batch_size // self.group_size)
                 if chosen is not None:
+                    self._round_open, self._permits = False, 0
                     return self._take(chosen, actor_version)
+                if self.barrier and not self._round_open:  # a consumer waits: the round opens
+                    self._round_open = True
+                    self._permits = max(0, batch_size - self._num_buffered())
+                    self._grant_permits()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
@@ -278,6 +328,16 @@ class ReadyBuffer:
     def _has_room(self) -> bool:
         return self.max_buffered is None or self._num_buffered() < self.max_buffered
 
+    def _grant_permits(self) -> None:
+        """Hand the open round's permits to waiting trajectories, oldest first."""
+        while self._permits > 0 and self._round_waiters:
+            loop, future = self._round_waiters.popleft()
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # that loop is closed: its trajectory is gone, the permit is not
+                continue
+            self._permits -= 1
+
     def _drop_stale(self, actor_version: int) -> None:
         """Drop released groups past the bound (policy `drop`): the actor only gets newer, so a
         stale trajectory never becomes trainable again."""
@@ -328,6 +388,33 @@ class ReadyBuffer:
             with contextlib.suppress(RuntimeError):  # that loop is closed: its producer is gone
                 loop.call_soon_threadsafe(_resolve, future)
         self._room_waiters.clear()
+
+
+def round_gated(env_factory: Callable[[Any], Any], buffer: ReadyBuffer) -> Callable[[Any], Any]:
+    """The barrier's other half: environments whose `reset` first awaits a permit of `buffer`'s
+    round, so a trajectory generates nothing before its round opens (wrap the rollout's
+    environment factory with it when `buffer.barrier`)."""
+    from megatron_sao.rollout.environment import Environment
+
+    class RoundGated(Environment):
+        def __init__(self, env: Any) -> None:
+            self.env = env
+
+        async def reset(self, sample: Any) -> list[dict[str, str]]:
+            await buffer.wait_for_round_async()
+            return await self.env.reset(sample)
+
+        @property
+        def tools(self) -> Any:
+            return self.env.tools
+
+        async def step(self, action_text: str) -> Any:
+            return await self.env.step(action_text)
+
+        async def close(self) -> None:
+            await self.env.close()
+
+    return lambda sample: RoundGated(env_factory(sample))
 
 
 def _resolve(future: asyncio.Future) -> None:
