@@ -18,7 +18,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
         run_dirs = [Path(args.run_dir), *(Path(d) for d in args.compare)]
         out = Path(args.out) if args.out else run_dirs[0] / "comparison"
-        comparison = write_comparison({d.name: d for d in run_dirs}, out, phase_steps=args.phase_steps)
+        # Runs are labelled by directory name, or by path where names repeat (runs1/x vs runs2/x).
+        names = [d.name for d in run_dirs]
+        labels = {(d.name if names.count(d.name) == 1 else str(d)): d for d in run_dirs}
+        comparison = write_comparison(labels, out, phase_steps=args.phase_steps)
         print(f"sao report: {len(comparison.figures)} comparison figures of {len(run_dirs)} runs", flush=True)
         print(comparison.page, flush=True)
         return 0

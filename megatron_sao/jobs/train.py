@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -230,11 +231,37 @@ def _forward_to_children(signum: int, frame: Any) -> None:
             os.kill(child.pid, signum)
 
 
-def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int, dict[str, Any], Path]:
-    """Run the job on `launcher.nproc_per_node` local processes. Returns (exit code, rank 0's
-    result, run directory)."""
-    from megatron_sao.config.validate import trainer_world_size
+def drive(config: SaoConfig, run_dir: Path,
+          launch: Callable[[str | None], dict[str, Any]]) -> tuple[int, dict[str, Any], Path]:
+    """What every launch path does around its ranks: resolve the checkpoint to resume from (a run
+    already complete returns at once), check the layout against the model (which also builds a tiny
+    checkpoint once, before ranks race for it), then `launch(resume_from)` -> rank 0's result.
+    Returns (exit code, result, run directory)."""
     from megatron_sao.models.build import check_layout_fits_model
+
+    resume_from, complete = prepare_resume(config, run_dir)
+    if complete is not None:
+        return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
+    check_layout_fits_model(config)
+    result = launch(str(resume_from) if resume_from else None)
+    return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
+
+
+@contextlib.contextmanager
+def signals_to(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """SIGTERM / SIGINT go to `handler` inside the block (the driver passes them on to its ranks)."""
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int, dict[str, Any], Path]:
+    """Run the job on `launcher.nproc_per_node` local processes (or Ray actors, or srun tasks).
+    Returns (exit code, rank 0's result, run directory)."""
+    from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.platform import run_distributed
     from megatron_sao.utils.run_logging import run_dir_of
 
@@ -249,55 +276,49 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
         raise ValueError(f"launcher.nnodes={config.launcher.nnodes} with launcher.kind=local: several nodes need "
                          "launcher.kind=slurm (submit with `sao launch slurm RECIPE --nodes N`)")
     run_dir = run_dir_of(config)
-    resume_from, complete = prepare_resume(config, run_dir)
-    if complete is not None:
-        return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
-    check_layout_fits_model(config)  # also builds a tiny checkpoint once, before ranks race for it
-    print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
-    previous = {s: signal.signal(s, _forward_to_children) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        result = run_distributed(train_rank, trainer_world_size(config), config, str(run_dir), mode,
-                                 str(resume_from) if resume_from else None, timeout_s=float("inf"))[0]
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
+
+    def launch(resume_from: str | None) -> dict[str, Any]:
+        print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
+        with signals_to(_forward_to_children):
+            return run_distributed(train_rank, trainer_world_size(config), config, str(run_dir), mode, resume_from,
+                                   timeout_s=float("inf"))[0]
+
+    return drive(config, run_dir, launch)
 
 
 def _run_train_ray(config: SaoConfig, mode: Literal["rl", "sft"]) -> tuple[int, dict[str, Any], Path]:
     """`run_train` with the trainer ranks (and, from rank 0, the engines) placed as Ray actors in
     one placement group (`pipeline/placement.py`), on a local Ray instance or the cluster at
     `launcher.ray_address`."""
-    import ray
-
-    from megatron_sao.models.build import check_layout_fits_model
-    from megatron_sao.pipeline.placement import create_placement_group, ray_placement
-    from megatron_sao.platform.ray_ranks import RayRanks, connect_ray
+    from megatron_sao.pipeline.placement import ray_placement
     from megatron_sao.utils.run_logging import run_dir_of
 
     run_dir = run_dir_of(config).resolve()  # Ray workers may run elsewhere: absolute paths only
-    resume_from, complete = prepare_resume(config, run_dir)
-    if complete is not None:
-        return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
-    check_layout_fits_model(config)
     placement = ray_placement(config, with_engines=mode == "rl" and config.rollout.source == "engine")
-    started = connect_ray(config.launcher.ray_address, min_cpus=placement.bundle_count)
-    print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'}); {placement.describe()}",
-          flush=True)
-    group = None
-    try:
-        group = create_placement_group(placement, timeout_s=float(config.launcher.join_timeout_s))
-        ranks = RayRanks(placement.trainer_ranks, group, placement.trainer_bundles(), *placement.trainer_resources())
-        previous = {s: signal.signal(s, ranks.forward_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def launch(resume_from: str | None) -> dict[str, Any]:
+        import ray
+
+        from megatron_sao.pipeline.placement import create_placement_group
+        from megatron_sao.platform.ray_ranks import RayRanks, connect_ray
+
+        started = connect_ray(config.launcher.ray_address, min_cpus=placement.bundle_count)
+        print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'}); {placement.describe()}",
+              flush=True)
+        group = None
         try:
-            result = ranks.run(train_rank, config, str(run_dir), mode, str(resume_from) if resume_from else None)[0]
+            group = create_placement_group(placement, timeout_s=float(config.launcher.join_timeout_s))
+            ranks = RayRanks(placement.trainer_ranks, group, placement.trainer_bundles(),
+                             *placement.trainer_resources())
+            try:
+                with signals_to(ranks.forward_signal):
+                    return ranks.run(train_rank, config, str(run_dir), mode, resume_from)[0]
+            finally:
+                ranks.kill()
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            ranks.kill()
-    finally:
-        if group is not None:
-            ray.util.remove_placement_group(group)
-        if started:
-            ray.shutdown()
-    return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
+            if group is not None:
+                ray.util.remove_placement_group(group)
+            if started:
+                ray.shutdown()
+
+    return drive(config, run_dir, launch)

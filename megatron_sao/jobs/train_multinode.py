@@ -30,24 +30,21 @@ def run_train_srun(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tupl
     """`run_train` for a Slurm allocation (launcher.kind=slurm, any launcher.nnodes). Returns
     (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
-    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, check_trajectory_source, prepare_resume, train_rank
-    from megatron_sao.models.build import check_layout_fits_model
+    from megatron_sao.jobs.train import check_trajectory_source, drive, train_rank
     from megatron_sao.platform.srun import run_srun
     from megatron_sao.utils.run_logging import run_dir_of
 
     check_trajectory_source(config, mode)
     run_dir = run_dir_of(config).resolve()
-    resume_from, complete = prepare_resume(config, run_dir)
-    if complete is not None:
-        return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
-    check_layout_fits_model(config)
     world = trainer_world_size(config)
-    print(f"run directory: {run_dir}; {world} trainer ranks as srun tasks, "
-          f"{min(world, config.launcher.nproc_per_node)} per node", flush=True)
-    result = run_srun(train_rank, world, config, str(run_dir), mode, str(resume_from) if resume_from else None,
-                      ntasks_per_node=config.launcher.nproc_per_node, work_dir=run_dir / "launch")[0]
-    return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
 
+    def launch(resume_from: str | None) -> dict[str, Any]:
+        print(f"run directory: {run_dir}; {world} trainer ranks as srun tasks, "
+              f"{min(world, config.launcher.nproc_per_node)} per node", flush=True)
+        return run_srun(train_rank, world, config, str(run_dir), mode, resume_from,
+                        ntasks_per_node=config.launcher.nproc_per_node, work_dir=run_dir / "launch")[0]
+
+    return drive(config, run_dir, launch)
 
 def _run(args: argparse.Namespace) -> int:
     from megatron_sao.config import load_config

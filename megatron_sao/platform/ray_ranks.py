@@ -98,7 +98,7 @@ class RayRanks:
         self.node_ids = [node for node, _, _ in addresses]
         self.pids: list[int] = ray.get([a.pid.remote() for a in self.actors])
         self.master_addr, self.master_port = addresses[0][1], addresses[0][2]
-        self.threads_per_rank = max(1, int(num_cpus)) if num_cpus >= 1 else 1
+        self.threads_per_rank = max(1, int(num_cpus))
         self._signals: list[int] = []
 
     def forward_signal(self, signum: int, frame: Any = None) -> None:

@@ -43,6 +43,16 @@ def configure_rank_process(rank: int, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+PORT_ATTEMPTS = 3
+"""Launches of one `run_distributed` call: the rendezvous port is picked free, but another process
+can take it before rank 0 binds it (busy hosts, parallel test runs); such a launch is retried on a
+new port, before `fn` has run anywhere."""
+
+
+def _port_taken(error: BaseException) -> bool:
+    return "EADDRINUSE" in str(error) or "address already in use" in str(error).lower()
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -52,14 +62,18 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     from megatron_sao.platform.distributed import destroy_distributed, init_distributed
 
     try:
-        init_distributed()
+        try:
+            init_distributed()
+        except Exception as error:
+            queue.put((rank, "port_taken" if _port_taken(error) else "failed", traceback.format_exc()))
+            return
         result = fn(*args)
         # Plain pickle (by value) rather than the queue's torch reducer, which shares tensor
         # storage through file descriptors the parent must fetch from this process while it is
         # still alive: a race with this process exiting right after.
-        queue.put((rank, True, pickle.dumps(result)))
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+        queue.put((rank, "failed", traceback.format_exc()))
     finally:
         with contextlib.suppress(Exception):  # teardown after a failure must not mask it
             destroy_distributed()
@@ -70,6 +84,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
     `fn` must be importable (module level) and its arguments and result picklable.
     """
+    for attempt in range(PORT_ATTEMPTS):
+        results, failures, port_taken = _launch(fn, world_size, args, timeout_s)
+        if not port_taken or attempt == PORT_ATTEMPTS - 1:
+            break
+    if failures:
+        raise RankFailed("\n".join(failures))
+    return [results[r] for r in range(world_size)]
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: tuple,
+            timeout_s: float) -> tuple[dict[int, Any], list[str], bool]:
+    """One launch on a fresh port: (results by rank, failures, whether the port was taken)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -79,11 +105,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    port_taken = False
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and not failures:
             try:
-                rank, ok, payload = queue.get(timeout=1.0)
+                rank, status, payload = queue.get(timeout=1.0)
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
@@ -93,9 +120,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     failures.append(f"timed out after {timeout_s:.0f} s waiting for ranks "
                                     f"{sorted(set(range(world_size)) - set(results))}")
                 continue
-            if ok:
+            if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:
+                port_taken = status == "port_taken"
                 failures.append(f"rank {rank} failed:\n{payload}")
     finally:
         for p in procs:
@@ -103,6 +131,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if p.is_alive():
                 p.kill()
                 p.join()
-    if failures:
-        raise RankFailed("\n".join(failures))
-    return [results[r] for r in range(world_size)]
+    return results, failures, port_taken

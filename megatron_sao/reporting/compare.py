@@ -81,7 +81,7 @@ def write_comparison(runs: dict[str, Path], out_dir: Path, phase_steps: int | No
     out_dir.mkdir(parents=True, exist_ok=True)
     result = Comparison(page=out_dir / PAGE_NAME)
     for key in COMPARED_KEYS:
-        drawn = {label: series(r, key) for label, r in rows.items() if series(r, key)[0]}
+        drawn = {label: curve for label, r in rows.items() if (curve := series(r, key))[0]}
         if not drawn:
             continue
         fig, ax = plt.subplots(figsize=(7.2, 3.6))

@@ -15,8 +15,7 @@ package (sandbox workers) do not import torch or httpx.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_sao.utils.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "Environment": "environment",
@@ -51,7 +50,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megatron_sao.rollout' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"megatron_sao.rollout.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -38,3 +38,19 @@ def _backend() -> str:
 
 def test_backend_follows_the_machine():
     assert run_distributed(_backend, 1) == ["nccl" if torch.cuda.is_available() else "gloo"]
+
+
+def test_a_taken_rendezvous_port_is_retried_on_a_new_one(monkeypatch):
+    """Another process binds the picked port before rank 0 does: the launch is repeated on a new
+    port, and `fn` runs once."""
+    import socket
+
+    from megatron_sao.platform import distributed, spawn
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        ports = iter([squatter.getsockname()[1]])
+        monkeypatch.setattr(spawn, "free_port", lambda: next(ports, None) or distributed.free_port())
+        assert run_distributed(_all_reduce_rank, 1) == [(0, 1, 1.0)]
+        assert next(ports, None) is None  # the taken port was tried first

@@ -8,8 +8,7 @@ loop (~1.5 s of start-up each) when they import nothing of it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_sao.utils.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "ScaffoldRunner": "runner",
@@ -29,7 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megatron_sao.rollout.gateway' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"megatron_sao.rollout.gateway.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
