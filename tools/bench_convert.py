@@ -13,7 +13,7 @@ posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memor
    `hf-to-mcore`, then `mcore-to-hf` of the result: throughput = HF bytes / seconds;
 and prints each throughput as a fraction of min(sequential read, sequential write) and, for every
 rank, the growth of its resident memory during the conversion (peak RSS reset before it,
-`checkpointing.rss`) against its shard's bytes.
+`checkpointing.rss`) against its shard's bytes and the I/O bucket (--io-bucket-mb).
 Everything is deleted at the end unless --keep.
 """
 
@@ -25,6 +25,7 @@ import resource
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from megatron_sao.checkpointing.hf_files import TORCH_TO_ST, expected_hf_tensors
 from megatron_sao.checkpointing.output_dir import human_bytes
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 
 _READ_BLOCK = 16 * 1024 * 1024
 _LAYER_SHAPE = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
@@ -125,16 +127,20 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _report(direction: str, layout_text: str, nproc: int, model_bytes: int, bound: float, per_rank: list[dict]) -> None:
+def _report(direction: str, layout_text: str, nproc: int, model_bytes: int, bound: float, per_rank: list[dict],
+            bucket: int) -> None:
     seconds = per_rank[0]["seconds"]
     speed = model_bytes / seconds
+    cpu = sum(r["cpu_seconds"] for r in per_rank)
     print(f"{direction} [{layout_text}, {nproc} rank(s)]: {seconds:.2f} s = {human_bytes(speed)}/s = "
-          f"{speed / bound:.2f} x min(read, write)  ({_phases(per_rank[0])})")
+          f"{speed / bound:.2f} x min(read, write)  ({_phases(per_rank[0])}); CPU {cpu:.1f} s over all ranks "
+          f"and threads = {cpu / (model_bytes / 1e9):.1f} CPU-s/GB, {cpu / seconds:.2f} of {os.cpu_count()} cores busy")
     for rank, r in enumerate(per_rank):
         grown = r["rss_peak"] - r["rss_start"]
         shard = r["shard_bytes"]
         print(f"  rank {rank}: peak RSS {human_bytes(r['rss_peak'])} = {human_bytes(r['rss_start'])} at start + "
-              f"{human_bytes(grown)} = {grown / max(shard, 1):.2f} x its shard ({human_bytes(shard)})"
+              f"{human_bytes(grown)} = {grown / max(shard, 1):.2f} x its shard ({human_bytes(shard)}); over the "
+              f"shard: {human_bytes(grown - shard)} = {(grown - shard) / bucket:.2f} x the I/O bucket"
               + ("" if r["rss_peak_reset"] else " (peak not resettable here: lifetime peak)"))
 
 
@@ -148,6 +154,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the rank count)")
+    parser.add_argument("--io-bucket-mb", type=float, default=DEFAULT_IO_BUCKET_BYTES / 2**20,
+                        help=f"I/O bucket per rank (default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args()
 
@@ -158,6 +166,7 @@ def main() -> None:
     from megatron_sao.platform import run_distributed
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    bucket = int(args.io_bucket_mb * 2**20)
     work = Path(tempfile.mkdtemp(prefix="sao-bench-convert-", dir=args.dir))
     try:
         start = time.monotonic()
@@ -175,17 +184,22 @@ def main() -> None:
               f"{human_bytes(write_speed)}/s")
         bound = min(read_speed, write_speed)
         print(f"bound min(read, write) = {human_bytes(bound)}/s (a conversion writes as many bytes as it reads)")
+        # each rank imports the conversion stack before its baseline is taken (rss.warm_up): the
+        # memory reported is what the conversion holds, not the libraries' one-off ~200 MB
+        rank_job = partial(measured, warm_dir=work / "hf")
+        print(f"I/O bucket per rank: {human_bytes(bucket)}")
         for nproc in (int(n) for n in args.nproc.split(",")):
             layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep if args.ep is not None else nproc)
             mcore, hf_out = work / f"mcore_{nproc}", work / f"hf_out_{nproc}"
             evict(work)
-            up = run_distributed(measured, nproc, convert_hf_to_mcore, HfToMcoreRequest(
-                hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False), timeout_s=24 * 3600)
-            _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, up)
+            up = run_distributed(rank_job, nproc, convert_hf_to_mcore, HfToMcoreRequest(
+                hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False, io_bucket_bytes=bucket),
+                timeout_s=24 * 3600)
+            _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, up, bucket)
             evict(work)
-            down = run_distributed(measured, nproc, convert_mcore_to_hf, McoreToHfRequest(
+            down = run_distributed(rank_job, nproc, convert_mcore_to_hf, McoreToHfRequest(
                 mcore_dir=mcore, out_dir=hf_out, layout=layout, progress=False), timeout_s=24 * 3600)
-            _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, down)
+            _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, down, bucket)
             if not args.keep:
                 shutil.rmtree(mcore, ignore_errors=True)
                 shutil.rmtree(hf_out, ignore_errors=True)
@@ -196,5 +210,5 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-if __name__ == "__main__":  # the torch_dist writer starts a spawn Manager that re-imports __main__
+if __name__ == "__main__":  # run_distributed spawns ranks that re-import __main__
     main()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron_sao.checkpointing.console import console_out, log_path_for, run_command
 from megatron_sao.checkpointing.families import FAMILIES
+from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 
 _LAYOUT_HELP = """
 parallel layout (the model is built in it; the torch_dist checkpoint itself reshards on load into
@@ -107,7 +108,8 @@ def _run_hf_to_mcore(args: argparse.Namespace) -> int:
 
     request = HfToMcoreRequest(hf_dir=Path(args.hf), out_dir=Path(args.out), layout=_layout(args), role=args.role,
                                overwrite=args.overwrite, seed=args.seed, value_head_init_std=args.value_head_init_std,
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, io_bucket_bytes=int(args.io_bucket_mb * 2**20),
+                               io_threads=args.io_threads)
     rank, result = run_collective(convert_hf_to_mcore, args.nproc, request)
     lines = [*notes]
     head = result["value_head"] or {}
@@ -174,6 +176,12 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     h2m.add_argument("--seed", type=int, default=1234, help="seed of an initialised value head (default 1234)")
     h2m.add_argument("--value-head-init-std", type=float, default=0.02,
                      help="std of an initialised value head (default 0.02)")
+    h2m.add_argument("--io-bucket-mb", type=float, default=DEFAULT_IO_BUCKET_BYTES / 2**20, metavar="MB",
+                     help="per rank, at most this many MiB of HF tensors read ahead and of tensors staged for the "
+                          "torch_dist writer: peak memory is about the rank's shard plus this "
+                          f"(default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
+    h2m.add_argument("--io-threads", type=int, default=2,
+                     help="torch_dist writer threads per rank, each writing and hashing one file (default 2)")
     _add_output_flags(h2m)
     _add_layout(h2m)
     h2m.set_defaults(func=_run_hf_to_mcore)

@@ -42,6 +42,8 @@ class TensorInfo:
     dtype: str  # safetensors code, e.g. "BF16"
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0
+    """Absolute byte offset of the tensor's data in its file."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,7 +100,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if dtype not in ST_TO_TORCH:
             raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}, which conversion does not handle")
         tensors[name] = TensorInfo(name=name, file=path.name, dtype=dtype, shape=tuple(meta["shape"]),
-                                   nbytes=end - begin)
+                                   nbytes=end - begin, offset=8 + header_len + begin)
         data_end = max(data_end, end)
     if 8 + header_len + data_end > size:
         raise ValueError(f"{path}: truncated safetensors file: its header promises {8 + header_len + data_end} "

@@ -1,8 +1,11 @@
 """HF checkpoint -> megatron-sao mcore checkpoint (torch_dist), for the actor or the critic.
 
 Every rank runs `convert_hf_to_mcore` (torchrun / srun / `run_distributed`); the model is built in
-the requested TP/PP/EP layout, so each rank holds only its shard of it: peak host memory per rank
-is its shard plus one HF tensor, never the whole model twice (docs/conversion.md#memory).
+the requested TP/PP/EP layout, so each rank holds only its shard of it, and reads only the HF
+tensors its shard needs. Peak host memory per rank is its shard plus the I/O bucket (HF tensors
+read ahead, `hf_reader`; tensors staged for the torch_dist writer, `dist_writer`) plus the tensors
+of the one conversion task in flight, never a second copy of the shard
+(docs/conversion.md#memory-and-streaming). The .distcp files are hashed while they are written.
 Checks that need no model (`plan_hf_to_mcore`) run first, on every rank, before any collective.
 """
 
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing import critic_format as cf
-from megatron_sao.checkpointing.collective import barrier, broadcast_object, rank, world_size
+from megatron_sao.checkpointing.collective import barrier, broadcast_object, gather_objects, rank, world_size
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.hf_files import (
     HFCheckpoint,
@@ -37,6 +40,7 @@ from megatron_sao.checkpointing.model_setup import (
     build_for_conversion,
     conversion_config,
     dtype_name,
+    one_op_thread,
     shard_bytes,
     unwrap,
 )
@@ -47,7 +51,9 @@ from megatron_sao.checkpointing.output_dir import (
     disk_full_as_value_error,
     human_bytes,
 )
+from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.models.bridge_compat import load_auto_bridge
 
 
@@ -63,6 +69,10 @@ class HfToMcoreRequest:
     """Seed of the value head when one is initialised."""
     value_head_init_std: float = 0.02
     progress: bool = True
+    io_bucket_bytes: int = DEFAULT_IO_BUCKET_BYTES
+    """Per rank: at most this many bytes of HF tensors read ahead, and of tensors staged for writing."""
+    io_threads: int = 2
+    """torch_dist writer threads per rank (one file each)."""
 
 
 @dataclass(kw_only=True)
@@ -185,6 +195,9 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
     start = time.monotonic()
     phases: dict[str, float] = {}
     plan = plan_hf_to_mcore(request)
+    if request.io_bucket_bytes <= 0 or request.io_threads <= 0:
+        raise ValueError(f"--io-bucket-mb and --io-threads must be > 0 (got {request.io_bucket_bytes} bytes, "
+                         f"{request.io_threads} threads)")
     phases["plan"] = time.monotonic() - start
     out = Path(request.out_dir)
     staged = StagedOutput.for_token(out, broadcast_object(StagedOutput.new_token() if rank() == 0 else None))
@@ -200,12 +213,24 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
         chunks = build_for_conversion(config, plan.role)
         rank_bytes = shard_bytes(chunks)
         phases["build"] = time.monotonic() - start - sum(phases.values())
+        # one line for the whole conversion: rank 0's reads, then its writes (estimated as its
+        # shard until the save plan says exactly)
+        progress = Progress("hf -> mcore", total_bytes=rank_bytes, enabled=request.progress and rank() == 0)
+        read_bytes = [0]
+
+        def read_planned(nbytes: int) -> None:
+            read_bytes[0] = nbytes
+            progress.start_phase("read", nbytes + rank_bytes)
+
         handled = set(plan.passthrough)
         if plan.role == "critic":
             handled |= {cf.VALUE_WEIGHT, cf.VALUE_BIAS, cf.LM_HEAD}
-        spec = LoadSpec(checkpoint=plan.checkpoint, handled_hf_tensors=frozenset(handled), progress=request.progress,
-                        skip_megatron_prefixes=("output_layer.",) if plan.role == "critic" else ())
-        load_hf_weights(load_auto_bridge(view), chunks, spec)
+        spec = LoadSpec(checkpoint=plan.checkpoint, handled_hf_tensors=frozenset(handled),
+                        skip_megatron_prefixes=("output_layer.",) if plan.role == "critic" else (),
+                        io_bucket_bytes=request.io_bucket_bytes, on_read_planned=read_planned,
+                        on_bytes=progress.advance)
+        with one_op_thread():
+            load_hf_weights(load_auto_bridge(view), chunks, spec)
         value_head = None
         if plan.role == "critic":
             value_head = {"initialized": True, "init_std": request.value_head_init_std, "seed": request.seed}
@@ -214,9 +239,14 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
         loaded_at = time.monotonic()
         phases["load"] = loaded_at - start - sum(phases.values())
         with disk_full_as_value_error(staged.tmp):
-            save_model(chunks, staged.tmp)
+            with one_op_thread():
+                written = save_model(chunks, staged.tmp, thread_count=request.io_threads,
+                                     bucket_bytes=request.io_bucket_bytes, on_bytes=progress.advance,
+                                     on_planned=lambda n: progress.start_phase("write", read_bytes[0] + n))
+            hashed = {name: entry for files in gather_objects(written) for name, entry in files.items()}
             barrier()
             phases["save"] = time.monotonic() - start - sum(phases.values())
+            progress.start_phase("finish")
             if rank() == 0:
                 _copy_hf_side_files(plan, staged.tmp)
                 manifest = Manifest(
@@ -226,9 +256,10 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
                     layout=request.layout.as_dict(world_size()), hf_tensors=plan.hf_tensors,
                     passthrough=plan.passthrough, value_head=value_head,
                     mcore_tensors=tensor_table(staged.tmp), versions=library_versions())
-                write_manifest(staged.tmp, manifest)
+                write_manifest(staged.tmp, manifest, known=hashed)
                 staged.commit()
         barrier()
+        progress.close()
     except BaseException:
         if rank() == 0:
             staged.abort()

@@ -59,19 +59,29 @@ class Manifest:
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
-def sha256_file(path: Path, chunk_bytes: int = 16 * 1024 * 1024) -> str:
+def sha256_file(path: Path, chunk_bytes: int = 4 * 1024 * 1024) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            digest.update(block)
+    buffer = bytearray(chunk_bytes)  # one buffer, reused: no allocation per block
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 
-def hash_tree(root: Path) -> dict[str, dict[str, Any]]:
-    """{relative path: {bytes, sha256}} of every file under `root` except the manifest."""
+def hash_tree(root: Path, known: dict[str, tuple[int, str]] | None = None) -> dict[str, dict[str, Any]]:
+    """{relative path: {bytes, sha256}} of every file under `root` except the manifest. `known`
+    holds (bytes, sha256) of files hashed while they were written; they are not read again."""
+    known = known or {}
     table = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
-        table[str(path.relative_to(root))] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        name = str(path.relative_to(root))
+        size = path.stat().st_size
+        if name in known:
+            assert known[name][0] == size, (name, known[name], size)
+            table[name] = {"bytes": size, "sha256": known[name][1]}
+        else:
+            table[name] = {"bytes": size, "sha256": sha256_file(path)}
     return table
 
 
@@ -92,9 +102,10 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Hash the directory's files into the manifest and write it (the checkpoint's last file)."""
-    manifest.files = hash_tree(directory)
+def write_manifest(directory: Path, manifest: Manifest, known: dict[str, tuple[int, str]] | None = None) -> None:
+    """Hash the directory's files (those not in `known`, see `hash_tree`) into the manifest and
+    write it (the checkpoint's last file)."""
+    manifest.files = hash_tree(directory, known)
     manifest.checksum = tree_checksum(manifest.files)
     (directory / MANIFEST_FILE).write_text(json.dumps(asdict(manifest), indent=1) + "\n")
 
@@ -136,5 +147,26 @@ def check_files(directory: Path, manifest: Manifest, verify_hashes: bool) -> Non
         size = path.stat().st_size
         if size != meta["bytes"]:
             raise ValueError(f"{path}: partial checkpoint file: {size} bytes, the manifest records {meta['bytes']}")
-        if verify_hashes and sha256_file(path) != meta["sha256"]:
-            raise ValueError(f"{path}: checksum mismatch (file changed or corrupt since conversion)")
+    if verify_hashes:
+        errors = checksum_errors(directory, manifest, sorted(manifest.files))
+        if errors:
+            raise ValueError(errors[0])
+
+
+def checksum_errors(directory: Path, manifest: Manifest, names: list[str]) -> list[str]:
+    """One line per file of `names` whose SHA-256 differs from the manifest's."""
+    return [f"{directory / name}: checksum mismatch (file changed or corrupt since conversion)"
+            for name in names if sha256_file(directory / name) != manifest.files[name]["sha256"]]
+
+
+def checksum_share(manifest: Manifest, rank: int, world_size: int) -> list[str]:
+    """The files `rank` hashes when `world_size` ranks split the work (largest first, each to the
+    rank with the fewest bytes so far: the same answer on every rank)."""
+    load = [0] * world_size
+    mine = []
+    for name in sorted(manifest.files, key=lambda n: (-manifest.files[n]["bytes"], n)):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += manifest.files[name]["bytes"]
+        if owner == rank:
+            mine.append(name)
+    return mine

@@ -12,12 +12,16 @@ and back. Training must save and load model weights through `save_model` / `load
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_sao.checkpointing.model_setup import unwrap
+from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+
+OnBytes = Callable[[int], None]
 
 # TE name of each separately-built norm, by (layer context). Values are key fragments before
 # "weight"/"bias"; the local spec may already have renamed some (listed as known aliases).
@@ -86,22 +90,36 @@ def model_state(chunks: list[torch.nn.Module]) -> dict[str, dict[str, Any]]:
     return {f"model{i}": canonical_sharded_state_dict(chunk) for i, chunk in enumerate(chunks)}
 
 
-def save_model(chunks: list[torch.nn.Module], directory: Path, thread_count: int = 2) -> None:
-    """Collective: write the chunks' weights as a torch_dist checkpoint into existing `directory`
-    (`thread_count` writer threads per rank; 2 halves the write time of 1 on a 2-core host)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+def save_model(chunks: list[torch.nn.Module], directory: Path, thread_count: int = 2,
+               bucket_bytes: int = DEFAULT_IO_BUCKET_BYTES, on_bytes: OnBytes | None = None,
+               on_planned: OnBytes | None = None) -> dict[str, tuple[int, str]]:
+    """Collective: write the chunks' weights as a torch_dist checkpoint into existing `directory`.
 
-    strategy = TorchDistSaveShardedStrategy(backend="torch_dist", thread_count=thread_count)
+    `thread_count` writer threads per rank (each writes and hashes one file; 2 overlap hashing and
+    serialising with the disk on a 2-core host); at most `bucket_bytes` of staged copies at a time
+    (`dist_writer`); `on_planned(bytes this rank writes)`, then `on_bytes(n)` per tensor written.
+    Returns {file name: (bytes, sha256)} of the .distcp files this rank wrote."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_sao.checkpointing.dist_writer import BoundedSaveStrategy
+
+    strategy = BoundedSaveStrategy(thread_count=thread_count, bucket_bytes=bucket_bytes, on_bytes=on_bytes,
+                                   on_planned=on_planned)
     dist_checkpointing.save(model_state(chunks), str(directory), sharded_strategy=strategy)
+    return strategy.files
 
 
-def load_model(chunks: list[torch.nn.Module], directory: Path) -> None:
-    """Collective: load weights saved by `save_model` (any layout, either spec) into `chunks`."""
+def load_model(chunks: list[torch.nn.Module], directory: Path, on_bytes: OnBytes | None = None) -> None:
+    """Collective: load weights saved by `save_model` (any layout, either spec) into `chunks`, in
+    place (no second copy of any tensor; `dist_writer.merge_in_place`); `on_bytes(n)` per tensor read."""
     from megatron.core import dist_checkpointing
+
+    from megatron_sao.checkpointing.dist_writer import CountingLoadStrategy, merge_in_place
 
     state = model_state(chunks)
-    loaded = dist_checkpointing.load(state, str(directory))
+    for chunk_state in state.values():
+        merge_in_place(chunk_state)
+    loaded = dist_checkpointing.load(state, str(directory), sharded_strategy=CountingLoadStrategy(on_bytes))
     for key, chunk in zip(state, chunks, strict=True):
         chunk.load_state_dict(loaded[key], strict=True)
 

@@ -1,11 +1,14 @@
 """megatron-sao mcore checkpoint -> HF checkpoint (actor: causal LM; critic: critic_format).
 
 Every rank runs `convert_mcore_to_hf`. The model is built in the requested layout (the torch_dist
-checkpoint reshards into it), megatron-bridge streams full HF tensors one at a time, and rank 0
-writes each straight to its planned place in the output shards (`safetensors_stream`): host memory
-is the rank's model shard plus one tensor. The output tensor table (names, shapes, dtypes) comes
-from the manifest, so the export writes exactly the tensors the source had, in their dtypes; a
-tensor the bridge yields that is not in the table, or a table entry it never yields, is an error.
+checkpoint reshards into it, loaded in place: `dist_writer.merge_in_place`), megatron-bridge streams
+full HF tensors one at a time, and rank 0 writes each straight to its planned place in the output
+shards (`safetensors_stream`): host memory is the rank's model shard plus one tensor. The
+manifest's checksums are verified while the model loads, each rank hashing its share of the files
+(`manifest.checksum_share`), and nothing is exported unless they all match. The output tensor
+table (names, shapes, dtypes) comes from the manifest, so the export writes exactly the tensors
+the source had, in their dtypes; a tensor the bridge yields that is not in the table, or a table
+entry it never yields, is an error.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing import critic_format as cf
-from megatron_sao.checkpointing.collective import barrier, broadcast_object, raise_if_any, rank
+from megatron_sao.checkpointing.collective import any_rank_flags, barrier, broadcast_object, raise_if_any, rank
 from megatron_sao.checkpointing.collective import world_size as get_world_size
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.hf_files import (
@@ -38,6 +42,8 @@ from megatron_sao.checkpointing.manifest import (
     Manifest,
     check_dist_checkpoint_files,
     check_files,
+    checksum_errors,
+    checksum_share,
     read_manifest,
 )
 from megatron_sao.checkpointing.mcore_io import load_model, tensor_table
@@ -47,6 +53,7 @@ from megatron_sao.checkpointing.model_setup import (
     Role,
     build_for_conversion,
     conversion_config,
+    one_op_thread,
     shard_bytes,
 )
 from megatron_sao.checkpointing.output_dir import (
@@ -78,8 +85,9 @@ class McoreToHfRequest:
     overwrite: bool = False
     max_shard_bytes: int = 5 * 10**9
     verify_checksums: bool = True
-    """Check every file's SHA-256 against the manifest before loading (a flipped bit in a shard is
-    otherwise exported silently); costs one extra read of the checkpoint."""
+    """Check every file's SHA-256 against the manifest before exporting (a flipped bit in a shard is
+    otherwise exported silently); one extra read of the checkpoint, split over the ranks and
+    overlapping the load."""
     progress: bool = True
 
 
@@ -121,7 +129,7 @@ def plan_mcore_to_hf(request: McoreToHfRequest) -> McoreToHfPlan:
     manifest = None
     if request.hf_config_dir is None or (mcore / MANIFEST_FILE).is_file():
         manifest = read_manifest(mcore)
-        check_files(mcore, manifest, verify_hashes=request.verify_checksums)
+        check_files(mcore, manifest, verify_hashes=False)  # sizes here; checksums while loading
     else:
         check_dist_checkpoint_files(mcore)
     config_dir = Path(request.hf_config_dir) if request.hf_config_dir is not None else mcore / HF_DIR
@@ -151,11 +159,10 @@ def plan_mcore_to_hf(request: McoreToHfRequest) -> McoreToHfPlan:
 class _Sink:
     """Rank 0's end of the export: checks each tensor against the plan, casts, writes."""
 
-    def __init__(self, plan: McoreToHfPlan, directory: Path) -> None:
+    def __init__(self, plan: McoreToHfPlan, directory: Path, progress: Progress) -> None:
         self.by_name = {s.name: s for s in plan.specs}
         self.writer = StreamingSafetensorsWriter(directory, plan.specs, plan.request.max_shard_bytes)
-        self.progress = Progress("mcore -> hf", total_tensors=len(plan.specs),
-                                 total_bytes=sum(s.nbytes for s in plan.specs), enabled=plan.request.progress)
+        self.progress = progress
         self.errors: list[str] = []
         self.rounded: list[str] = []
 
@@ -174,7 +181,7 @@ class _Sink:
             if not torch.equal(cast.to(tensor.dtype), tensor):
                 self.rounded.append(name)
             tensor = cast
-        self.progress.advance(1, self.writer.write(name, tensor))
+        self.progress.advance(self.writer.write(name, tensor))
 
 
 def _copy_config_files(plan: McoreToHfPlan, tmp: Path) -> None:
@@ -212,12 +219,17 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         chunks = build_for_conversion(config, plan.role)
         rank_bytes = shard_bytes(chunks)
         phases["build"] = time.monotonic() - start - sum(phases.values())
-        load_model(chunks, mcore)
+        out_bytes = sum(s.nbytes for s in plan.specs)
+        progress = Progress("mcore -> hf", total_bytes=rank_bytes + out_bytes, enabled=request.progress and rank() == 0)
+        progress.start_phase("read")
+        with one_op_thread():
+            _load_verified(plan, chunks, progress)
         loaded_at = time.monotonic()
         phases["load"] = loaded_at - start - sum(phases.values())
+        progress.start_phase("write", progress.nbytes + out_bytes)
         exporter = HFWeightExporter(chunks, view, role=plan.role)
-        with disk_full_as_value_error(staged.tmp):
-            sink = _Sink(plan, staged.tmp) if rank() == 0 else None
+        with disk_full_as_value_error(staged.tmp), one_op_thread():
+            sink = _Sink(plan, staged.tmp, progress) if rank() == 0 else None
             try:
                 for name, tensor in exporter.stream(cpu=True):
                     # The exporter always appends a zero score.bias; a critic saved without one has none.
@@ -228,7 +240,6 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
             errors = []
             if sink is not None:
                 _copy_passthrough(plan, mcore, sink)
-                sink.progress.close()
                 missing = sink.writer.missing()
                 errors = sink.errors + ([f"export did not produce {len(missing)} tensors of the source, e.g. "
                                          f"{missing[:3]}"] if missing else [])
@@ -238,6 +249,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
                 _copy_config_files(plan, staged.tmp)
                 staged.commit()
         barrier()
+        progress.close()
     except BaseException:
         if sink is not None:
             sink.writer.abort()
@@ -260,6 +272,39 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
                     f"{human_bytes(total)} [{request.layout.describe()}, {get_world_size()} ranks] in {seconds:.1f} s"
                     + (f"; {len(rounded)} tensors rounded to their export dtype" if rounded else "")),
     }
+
+
+def _load_verified(plan: McoreToHfPlan, chunks: list[torch.nn.Module], progress: Progress) -> None:
+    """Collective: load the checkpoint into `chunks` while this rank hashes its share of the files;
+    raise on every rank if any checksum differs (before any export) or any rank failed to load."""
+    mcore, manifest = Path(plan.request.mcore_dir), plan.manifest
+    found: list[str] = []
+    hashing = None
+    if manifest is not None and plan.request.verify_checksums:
+        share = checksum_share(manifest, rank(), get_world_size())
+
+        def check() -> None:
+            try:
+                found.extend(checksum_errors(mcore, manifest, share))
+            except OSError as e:  # e.g. a file removed while converting
+                found.append(f"{mcore}: cannot verify checksums: {e}")
+
+        # a daemon thread: an interrupted conversion does not wait for the hashing to finish
+        hashing = threading.Thread(target=check, name="sao-checksums", daemon=True)
+        hashing.start()
+    failure = None
+    try:
+        load_model(chunks, mcore, on_bytes=progress.advance)
+    except Exception as e:  # a corrupt file may fail the load itself: its checksum error says why
+        failure = e
+    if hashing is not None:
+        hashing.join()
+    raise_if_any(found)
+    failed = any_rank_flags(torch.tensor([int(failure is not None)], dtype=torch.int32))
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise RuntimeError(f"loading {mcore} failed on another rank (its log has the error)")
 
 
 def _copy_passthrough(plan: McoreToHfPlan, mcore: Path, sink: _Sink) -> None:

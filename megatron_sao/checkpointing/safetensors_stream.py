@@ -3,7 +3,8 @@
 megatron-bridge yields exported tensors one at a time in its own order. Buffering a shard's worth
 before writing would hold gigabytes; instead every tensor's place is planned up front from the
 known name/dtype/shape list (the manifest), each shard file is created at its final size with its
-header, and each arriving tensor is written straight to its offset. Memory: one tensor.
+header, and each arriving tensor is written straight to its offset, whose write-back to disk
+starts at once (`writeback.start_writeback`), overlapping the export of the next. Memory: one tensor.
 
 Layout follows `save_pretrained`: `model.safetensors`, or `model-0000i-of-0000n.safetensors`
 plus `model.safetensors.index.json`. Within a file, tensors are ordered by element size
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing.hf_files import INDEX_FILE, ST_TO_TORCH, TORCH_TO_ST
+from megatron_sao.checkpointing.writeback import start_writeback
 
 
 def natural_key(name: str) -> list[object]:
@@ -111,6 +113,7 @@ class StreamingSafetensorsWriter:
         while view:
             n = os.pwrite(self._fds[slot.file], view, offset)
             view, offset = view[n:], offset + n
+        start_writeback(self._fds[slot.file], slot.offset, slot.spec.nbytes)
         slot.written = True
         return slot.spec.nbytes
 

@@ -23,8 +23,9 @@ from megatron_sao.checkpointing import critic_format as cf
 from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint
 from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, plan_hf_to_mcore
 from megatron_sao.checkpointing.manifest import read_manifest
-from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, plan_mcore_to_hf
+from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf, plan_mcore_to_hf
 from megatron_sao.checkpointing.output_dir import TMP_MARKER, disk_full_as_value_error
+from megatron_sao.platform import RankFailed, run_distributed
 from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 from tests.checkpointing._helpers import rewrite_tensors, split_into_shards
 
@@ -210,9 +211,11 @@ def test_corrupt_mcore_file_fails_the_checksum(mcore, tmp_path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    export_plan(mcore, tmp_path / "out", verify_checksums=False)  # sizes only (--no-verify-checksums): passes
-    with pytest.raises(ValueError, match=r"__0_0\.distcp: checksum mismatch"):
-        export_plan(mcore, tmp_path / "out")  # verified by default (issue 14: a flipped bit was exported)
+    export_plan(mcore, tmp_path / "out")  # sizes at planning; checksums while the model loads
+    request = McoreToHfRequest(mcore_dir=mcore, out_dir=tmp_path / "out", progress=False)
+    with pytest.raises(RankFailed, match=r"__0_0\.distcp: checksum mismatch"):  # issue 14: a flipped bit was exported
+        run_distributed(convert_mcore_to_hf, 1, request, timeout_s=600)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mcore"]  # nothing written, nothing left behind
 
 
 def _cli(*args: str, **kw) -> subprocess.Popen:

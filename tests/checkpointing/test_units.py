@@ -98,14 +98,18 @@ def test_shards_follow_layer_order_and_respect_the_limit():
                                                               ["model.layers.10.w"]]
 
 
-def test_progress_line_counts_tensors_and_bytes():
+def test_progress_line_covers_every_phase_in_bytes():
     stream = io.StringIO()
-    progress = Progress("hf -> mcore", total_tensors=4, total_bytes=4_000_000, stream=stream, min_interval_s=0.0)
-    progress.advance(1, 1_000_000)
-    progress.advance(3, 3_000_000)
+    progress = Progress("hf -> mcore", total_bytes=4_000_000, stream=stream, min_interval_s=0.0)
+    progress.start_phase("read", total_bytes=3_000_000)  # what will be read + the estimate of what is written
+    progress.advance(1_000_000)
+    first = stream.getvalue().strip().split("\r")[-1]
+    assert "33.3%" in first and "read" in first and "1.00 MB/3.00 MB" in first
+    progress.start_phase("write", total_bytes=4_000_000)  # the writer's plan: exact
+    progress.advance(3_000_000)
     progress.close()
     last = stream.getvalue().strip().split("\r")[-1]
-    assert "100.0%" in last and "4/4 tensors" in last and "4.00 MB/4.00 MB" in last and "/s" in last
+    assert "100.0%" in last and "write" in last and "4.00 MB/4.00 MB" in last and "/s" in last and "~0s left" in last
 
 
 def test_cli_registers_three_commands_with_help(capsys):

@@ -1,0 +1,257 @@
+"""torch_dist save and load with memory bounded by the rank's shard plus an I/O bucket.
+
+Measured on Megatron-Core 0.19.2 (docs/conversion.md#memory-and-streaming):
+- Save. `FileSystemWriterAsync.prepare_write_data` clones every tensor that is a view of a larger
+  storage (torch.save would write the whole storage), all of them before the first byte is
+  written. A gated MLP stores [gate; up] as one `linear_fc1` and saves the halves as two views, so
+  the clones are ~2/3 of an MoE shard: peak 1.65x the shard. It also returns its results through
+  a `multiprocessing.Manager` queue, a spawned process that re-imports the caller's `__main__`
+  (seconds on a small host, on every save).
+- Load. The same factory `torch.cat`s the two loaded halves back into a new tensor for every
+  fc1, all held until the state dict is copied into the model: again ~2/3 of the shard extra.
+
+`BoundedSaveStrategy` runs Megatron's own save plan (MCoreSavePlanner, the same `__<rank>_<i>.distcp`
+files and metadata: any torch_dist reader reads the result) with `StreamingWriter`, whose threads
+each write one file item by item, staging (cloning, or copying to host) an item only just before
+writing it and only while a shared byte budget (the I/O bucket) allows. Each thread hashes its file
+as it writes (`writeback.HashingFile`) and starts its write-back item by item. `load_state` loads
+into the parameters' own storage: the halves are views of the parameter, so after loading the
+parameter already holds the result and the merge returns it instead of a concatenated copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync, _split_by_size_and_type
+from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreLoadPlanner,
+    MCoreSavePlanner,
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+    _get_filesystem_reader,
+    _replace_sharded_keys_with_state_dict_keys,
+    _replace_state_dict_keys_with_sharded_keys,
+    _restore_dict_types,
+    _unwrap_pyt_sharded_tensor,
+    mcore_to_pyt_state_dict,
+)
+from torch.distributed import checkpoint
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.utils.serialization import config as serialization_config
+
+from megatron_sao.checkpointing.writeback import HashingFile
+
+OnBytes = Callable[[int], None]
+
+
+class ByteBudget:
+    """At most `capacity` bytes held at a time; a larger request is served alone."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"I/O bucket must be > 0 bytes, got {capacity}")
+        self.capacity = capacity
+        self.peak = 0
+        self._used = 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        n = min(nbytes, self.capacity)
+        with self._cond:
+            self._cond.wait_for(lambda: self._used + n <= self.capacity)
+            self._used += n
+            self.peak = max(self.peak, self._used)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+_WRITE_KWARGS: dict[str, Any] = {}
+if "serialization_format" in inspect.signature(_write_item).parameters:
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    _WRITE_KWARGS["serialization_format"] = SerializationFormat.TORCH_SAVE
+
+
+class StreamingWriter(FileSystemWriterAsync):
+    """One file per thread, written item by item; see the module docstring."""
+
+    def __init__(self, path: str | Path, thread_count: int, budget: ByteBudget, on_bytes: OnBytes | None) -> None:
+        super().__init__(str(path), thread_count=thread_count)
+        self.budget = budget
+        self.on_bytes = on_bytes
+        self.files: dict[str, tuple[int, str]] = {}
+        """file name -> (bytes, sha256) of the files this rank wrote."""
+        self.planned_bytes = 0
+        self._results: list[Any] = []
+        self._failed = threading.Event()
+
+    def prepare_write_data(self, plan: Any, planner: Any) -> None:
+        prefix = plan.storage_data.prefix
+        self.write_buckets = []
+        for i, items in enumerate(_split_by_size_and_type(self.thread_count, plan.items)):
+            if items:
+                name = f"{prefix}{i}{DEFAULT_SUFFIX}"
+                data = [(item, planner.resolve_data(item)) for item in items]  # views stay views
+                self.write_buckets.append((os.path.join(self.checkpoint_dir, name), name, data))
+        self.planned_bytes = sum(_nbytes(obj) for _, _, data in self.write_buckets for item, obj in data
+                                 if item.type != WriteItemType.BYTE_IO)
+        self.results_queue = None
+
+    def write_all(self) -> None:
+        # torch.save's zip CRC32 of every record costs ~0.9 s/GB of CPU here and no reader checks
+        # it (torch.load does not); the files' SHA-256 computed while writing covers every byte.
+        crc32 = serialization_config.save.compute_crc32
+        serialization_config.save.compute_crc32 = False
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(self.write_buckets)),
+                                    thread_name_prefix="sao-torch-dist-write") as pool:
+                futures = [pool.submit(self._write_file, *bucket) for bucket in self.write_buckets]
+                try:
+                    results = [f.result() for f in futures]
+                except BaseException:  # a failed thread, or an interrupt: the others stop at their next item
+                    self._failed.set()
+                    raise
+        finally:
+            serialization_config.save.compute_crc32 = crc32
+        self._results = [r for file_results in results for r in file_results]
+
+    def _write_file(self, path: str, name: str, data: list[tuple[Any, Any]]) -> list[Any]:
+        results = []
+        transforms = [self.transforms] if hasattr(self, "transforms") else []
+        stream = HashingFile(path)
+        try:
+            for item, obj in data:
+                if self._failed.is_set():
+                    raise RuntimeError("the torch_dist save of this rank was interrupted or another writer failed")
+                if item.type == WriteItemType.BYTE_IO:
+                    results.append(_write_item(*transforms, stream, obj, item, name, **_WRITE_KWARGS))
+                    continue
+                tensor = obj.detach()
+                nbytes = _nbytes(tensor)
+                on_host = tensor.device.type == "cpu"
+                copy = not on_host or tensor.untyped_storage().nbytes() != nbytes
+                with self.budget.hold(nbytes if copy else 0):
+                    staged = tensor.clone() if on_host and copy else tensor.to("cpu")
+                    results.append(_write_item(*transforms, stream, staged, item, name, **_WRITE_KWARGS))
+                    del staged
+                stream.kick()
+                if self.on_bytes is not None:
+                    self.on_bytes(nbytes)
+            self.files[name] = stream.finish()
+        except BaseException:
+            self._failed.set()
+            stream.close()
+            raise
+        return results
+
+    def retrieve_write_results(self) -> list[Any]:
+        return self._results
+
+
+class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
+    """Megatron's torch_dist save (same plan, files and metadata) through `StreamingWriter`."""
+
+    def __init__(self, thread_count: int, bucket_bytes: int, on_bytes: OnBytes | None = None,
+                 on_planned: OnBytes | None = None) -> None:
+        super().__init__(backend="torch_dist", thread_count=thread_count)
+        self.bucket_bytes = bucket_bytes
+        self.on_bytes = on_bytes
+        self.on_planned = on_planned
+        self.files: dict[str, tuple[int, str]] = {}
+        self.budget_peak = 0
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
+        state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+        budget = ByteBudget(self.bucket_bytes)
+        writer = StreamingWriter(checkpoint_dir, self.thread_count, budget, self.on_bytes)
+        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                   flatten_state_dict=False, flatten_sharded_tensors=False)
+        finalize_args = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,
+                                                   planner=planner)[0]
+        if self.on_planned is not None:
+            self.on_planned(writer.planned_bytes)
+        writer.write_all()
+        save_state_dict_async_finalize(*finalize_args)
+        self.files = dict(writer.files)
+        self.budget_peak = budget.peak
+
+
+class _CountingLoadPlanner(MCoreLoadPlanner):
+    def __init__(self, *args: Any, on_bytes: OnBytes | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_bytes = on_bytes
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        if self.on_bytes is not None:
+            self.on_bytes(_nbytes(tensor))
+
+
+class CountingLoadStrategy(TorchDistLoadShardedStrategy):
+    """Megatron's torch_dist load, reporting the bytes of every tensor it fills (progress)."""
+
+    def __init__(self, on_bytes: OnBytes | None) -> None:
+        super().__init__()
+        self.on_bytes = on_bytes
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Path, async_strategy: str = "mcore") -> Any:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
+        original = sharded_state_dict
+        state, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+        pyt_state = mcore_to_pyt_state_dict(state, True)
+        planner = _CountingLoadPlanner(
+            shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
+            allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors if t.allow_shape_mismatch},
+            flatten_state_dict=False, flatten_sharded_tensors=False, on_bytes=self.on_bytes)
+        checkpoint.load(pyt_state, _get_filesystem_reader(checkpoint_dir), planner=planner, no_dist=True)
+        loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state.items()}
+        loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
+        _restore_dict_types(loaded, original)
+        return loaded
+
+
+def merge_in_place(state: dict[str, Any]) -> None:
+    """Let every ShardedTensorFactory of `state` (gated fc1: [gate; up]) return its own tensor after
+    loading when the loaded parts are views covering it, instead of concatenating a copy."""
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensorFactory) and value.data is not None:
+            value.merge_fn = _in_place(value.data, value.merge_fn)
+
+
+def _in_place(data: torch.Tensor, merge: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def merge_fn(loaded: Any) -> Any:
+        parts = loaded if isinstance(loaded, list) else [loaded]
+        storage = data.untyped_storage().data_ptr()
+        if (all(isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() == storage for p in parts)
+                and sum(p.numel() for p in parts) == data.numel()):
+            return data
+        return merge(loaded)
+
+    return merge_fn
