@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     2 user error (bad input, one line), 3 internal error, 130 interrupted. A sub-command whose
     parser sets `quiet_log=True` (and `--log-file`) gets third-party output sent to its log file
     unless `-v` is given; its own lines stay on the terminal (`console.console_out()`)."""
-    from megatron_sao.checkpointing.console import log_path_for, run_command
+    from megatron_sao.utils.console import log_path_for, run_command
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

@@ -17,9 +17,9 @@ import os
 import re
 from pathlib import Path
 
-from megatron_sao.checkpointing.console import console_out, log_path_for, run_command
 from megatron_sao.checkpointing.families import FAMILIES
 from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.utils.console import console_out, log_path_for, run_command
 
 _LAYOUT_HELP = """
 parallel layout (the model is built in it; the torch_dist checkpoint itself reshards on load into
@@ -92,8 +92,8 @@ def _report(rank: int, lines: list[str]) -> None:
 
 def _leftovers(args: argparse.Namespace) -> list[str]:
     """Report (or remove, with --remove-leftovers) staging directories of killed conversions."""
-    from megatron_sao.checkpointing.launch import under_launcher
     from megatron_sao.checkpointing.output_dir import report_leftovers
+    from megatron_sao.platform.run_collective import under_launcher
 
     if under_launcher() and int(os.environ.get("RANK", "0")) != 0:
         return []
@@ -102,7 +102,7 @@ def _leftovers(args: argparse.Namespace) -> list[str]:
 
 def _run_hf_to_mcore(args: argparse.Namespace) -> int:
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
-    from megatron_sao.checkpointing.launch import run_collective
+    from megatron_sao.platform.run_collective import run_collective
 
     notes = _leftovers(args)
 
@@ -124,8 +124,8 @@ def _run_hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _run_mcore_to_hf(args: argparse.Namespace) -> int:
-    from megatron_sao.checkpointing.launch import run_collective
     from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
+    from megatron_sao.platform.run_collective import run_collective
 
     notes = _leftovers(args)
 
@@ -140,8 +140,8 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from megatron_sao.checkpointing.launch import run_collective
     from megatron_sao.checkpointing.verify import DEFAULT_PROMPT, VerifyRequest, verify
+    from megatron_sao.platform.run_collective import run_collective
 
     request = VerifyRequest(hf_dir=Path(args.hf), mcore_dir=Path(args.mcore), layout=_layout(args),
                             prompt=args.prompt or DEFAULT_PROMPT, verify_checksums=args.verify_checksums)

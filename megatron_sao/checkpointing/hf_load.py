@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from megatron_sao.checkpointing.collective import any_rank_flags, raise_if_any
 from megatron_sao.checkpointing.hf_files import HFCheckpoint
 from megatron_sao.checkpointing.model_setup import unwrap
 from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.platform.collective import any_rank_flags, raise_if_any
 
 OnBytes = Callable[[int], None]
 

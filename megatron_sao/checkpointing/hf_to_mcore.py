@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing import critic_format as cf
-from megatron_sao.checkpointing.collective import barrier, broadcast_object, gather_objects, rank, world_size
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.hf_files import (
     HFCheckpoint,
@@ -55,6 +54,7 @@ from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.models.bridge_compat import load_auto_bridge
+from megatron_sao.platform.collective import barrier, broadcast_object, gather_objects, rank, world_size
 
 
 @dataclass(kw_only=True)

@@ -24,8 +24,6 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing import critic_format as cf
-from megatron_sao.checkpointing.collective import any_rank_flags, barrier, broadcast_object, raise_if_any, rank
-from megatron_sao.checkpointing.collective import world_size as get_world_size
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.hf_files import (
     ST_TO_TORCH,
@@ -67,6 +65,8 @@ from megatron_sao.checkpointing.output_dir import (
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from megatron_sao.models.hf_export import HFWeightExporter
+from megatron_sao.platform.collective import any_rank_flags, barrier, broadcast_object, raise_if_any, rank
+from megatron_sao.platform.collective import world_size as get_world_size
 
 EXPORT_MARKER = OUTPUT_MARKERS[1]  # sao_export.json: marks an HF export that --overwrite may replace
 

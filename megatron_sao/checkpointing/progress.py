@@ -14,8 +14,8 @@ import threading
 import time
 from typing import TextIO
 
-from megatron_sao.checkpointing.console import console_err
 from megatron_sao.checkpointing.output_dir import human_bytes
+from megatron_sao.utils.console import console_err
 
 _WIDTH = 24
 

@@ -247,7 +247,7 @@ def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
 
 def _say(line: str) -> None:
     """A line of the demo's own on the terminal (third-party output goes to the log file)."""
-    from megatron_sao.checkpointing.console import console_out
+    from megatron_sao.utils.console import console_out
 
     print(line, file=console_out(), flush=True)
 

@@ -61,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes as `sao train` (docs/exit-codes.md)."""
-    from megatron_sao.checkpointing.console import run_command
+    from megatron_sao.utils.console import run_command
 
     parser = argparse.ArgumentParser(prog="python -m megatron_sao.jobs.train_multinode",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

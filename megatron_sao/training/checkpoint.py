@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from megatron_sao.checkpointing.collective import (
+from megatron_sao.checkpointing.mcore_io import model_state
+from megatron_sao.checkpointing.model_setup import unwrap
+from megatron_sao.platform.collective import (
     barrier,
     broadcast_object,
     gather_objects,
@@ -30,8 +32,6 @@ from megatron_sao.checkpointing.collective import (
     rank,
     world_size,
 )
-from megatron_sao.checkpointing.mcore_io import model_state
-from megatron_sao.checkpointing.model_setup import unwrap
 from megatron_sao.training import checkpoint_files as files
 from megatron_sao.training import checkpoint_optim as optim
 from megatron_sao.training.checkpoint_files import find_latest_checkpoint

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_sao.checkpointing.collective import rank, world_size
+from megatron_sao.platform.collective import rank, world_size
 
 RNG_KEY = "rng_state"
 

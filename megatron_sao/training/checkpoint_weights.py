@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.checkpointing import manifest as convert_manifest
-from megatron_sao.checkpointing.collective import raise_if_any, rank, world_size
 from megatron_sao.checkpointing.mcore_io import load_model
 from megatron_sao.checkpointing.model_setup import unwrap
+from megatron_sao.platform.collective import raise_if_any, rank, world_size
 from megatron_sao.training import checkpoint_files as files
 
 logger = logging.getLogger(__name__)

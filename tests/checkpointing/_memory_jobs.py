@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_sao.checkpointing.collective import world_size
 from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
 from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
 from megatron_sao.checkpointing.model_setup import Layout
 from megatron_sao.checkpointing.rss import measured
+from megatron_sao.platform.collective import world_size
 
 
 def round_trip_measured(hf: Path, work: Path, bucket_bytes: int, max_shard_bytes: int) -> dict:

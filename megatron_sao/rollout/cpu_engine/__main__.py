@@ -74,7 +74,7 @@ def _log_path(args: argparse.Namespace) -> Path | None:
     if args.log_file:
         return Path(args.log_file)
     if sys.stderr.isatty():
-        from megatron_sao.checkpointing.console import default_log_path
+        from megatron_sao.utils.console import default_log_path
 
         return default_log_path(f"cpu-engine-{args.port}")
     return None
@@ -84,7 +84,7 @@ def serve(config: CPUEngineConfig, log_level: str = "warning") -> None:
     """Load the model, serve until the first SIGINT / SIGTERM, then stop."""
     import uvicorn
 
-    from megatron_sao.checkpointing.console import console_out
+    from megatron_sao.utils.console import console_out
 
     engine = CPUEngine(config)
 
@@ -110,7 +110,7 @@ def serve(config: CPUEngineConfig, log_level: str = "warning") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_sao.checkpointing.console import console_err, quiet_output
+    from megatron_sao.utils.console import console_err, quiet_output
 
     args = build_parser().parse_args(argv)
     log = _log_path(args)

@@ -1,4 +1,4 @@
-"""Small collectives that keep every rank of a conversion on the same path.
+"""Small collectives that keep every rank of a job (conversion, trainer checkpoints) on the same path.
 
 A check that fails on one rank must fail on all of them, or the others wait forever in the next
 collective. Errors found on any rank are therefore gathered and raised everywhere.
