@@ -1,13 +1,15 @@
 """`rollout.source=engine`: training batches from live rollout engines, new weights back to them.
 
-Rank 0 hosts the rollout (`RolloutService`: engines, agent loop, ready buffer) next to its trainer
-rank; every step it takes `data.batch_size` ready trajectories and broadcasts them to the other
-trainer ranks, which all train on the same list (`SaoTrainer.train_step`). After each actor update
-(every `weight_sync_every` of them) all ranks stream the actor's weights in HF naming
-(collective, `models/hf_export.py`) and rank 0 loads them into the paused engines
-(`pipeline/weight_sync.py`), which then continue in-flight trajectories under the new version.
+Rank 0 is the trainer rank that talks to the rollout (`pipeline/rollout_actor.py`: prompt stream,
+ready buffer, `RolloutService`: engines, agent loop): a thread of rank 0 (`RolloutHost`), or with
+`launcher.ray=true` a Ray actor of its own (`RemoteRollout`, same methods). Every step rank 0 takes
+`data.batch_size` ready trajectories and broadcasts them to the other trainer ranks, which all
+train on the same list (`SaoTrainer.train_step`). After each actor update (every
+`weight_sync_every` of them) all ranks stream the actor's weights in HF naming (collective,
+`models/hf_export.py`) and rank 0 loads them into the paused engines (`pipeline/weight_sync.py`),
+which then continue in-flight trajectories under the new version.
 
-Only rank 0 holds rollout state: its prompt position, the unfinished prompts and the buffered
+Only the rollout holds rollout state: its prompt position, the unfinished prompts and the buffered
 trajectories go into the checkpoint's trainer state (written by rank 0), so a resumed run
 continues with the same buffer contents and data position.
 """
@@ -46,6 +48,9 @@ class EngineSource:
         self.colocated = config.launcher.engine_placement == "colocated"
         self._wait_s = 0.0
         self._batch: list[Trajectory] = []
+        self.rollout: Any = None
+        """Rank 0: the `RolloutHost` in this process or the `RemoteRollout` (a Ray actor)."""
+        # The in-process rollout's parts (None with a Ray actor; tools reach into them).
         self.service: Any = None
         self.buffer: Any = None
         self.prompts: Any = None
@@ -53,41 +58,22 @@ class EngineSource:
             self._build_rollout()
 
     def _build_rollout(self) -> None:
-        from transformers import AutoTokenizer
-
-        from megatron_sao.pipeline.buffer import ReadyBuffer
-        from megatron_sao.pipeline.placement import make_engine_supervisor
-        from megatron_sao.pipeline.prompts import PromptStream
-        from megatron_sao.pipeline.rollout_service import RolloutService, log_dir
-        from megatron_sao.rollout.datasets import DatasetConfig, load_prompts
-        from megatron_sao.rollout.settings import agent_loop_config_from, engine_config_from, env_factory_from
+        from megatron_sao.pipeline.placement import make_engine_supervisor, make_rollout_actor
+        from megatron_sao.pipeline.rollout_actor import RolloutHost
 
         c = self.config
         if not c.data.train_path:
             raise ValueError("rollout.source=engine needs data.train_path (the prompt dataset)")
-        dataset = load_prompts(c.data.train_path, DatasetConfig(max_prompt_chars=c.data.max_prompt_chars))
-        logger.info("prompts: %s (%s)", c.data.train_path, dataset.report.summary())
-        self.prompts = PromptStream(dataset.samples, shuffle=c.data.shuffle, seed=c.run.seed,
-                                    group_size=c.algorithm.group_size)
-        p = c.pipeline
-        self.buffer = ReadyBuffer(group_size=c.algorithm.group_size, max_staleness=c.algorithm.max_staleness,
-                                  staleness_check=p.staleness_check, stale_policy=p.stale_policy,
-                                  max_buffered=p.max_buffered or 2 * c.data.batch_size,
-                                  distinct_prompts=p.distinct_prompts)
-        engine_config = engine_config_from(c)
-        engine_config.log_dir = log_dir(self.run_dir)
-        self.service = RolloutService(
-            engine_config, agent_loop_config_from(c), AutoTokenizer.from_pretrained(c.model.hf_path),
-            env_factory_from(c), positioned(self.prompts), self.buffer,
-            max_inflight_per_engine=c.rollout.max_inflight_per_engine, health_interval_s=p.engine_health_interval_s,
-            health_timeout_s=p.engine_health_timeout_s, health_failures=p.engine_health_failures,
-            make_supervisor=make_engine_supervisor(c))
+        self.rollout = make_rollout_actor(c, self.run_dir)  # placed by Ray: an actor of its own
+        if self.rollout is None:
+            self.rollout = RolloutHost(c, self.run_dir, make_engine_supervisor(c))
+            self.service, self.buffer, self.prompts = self.rollout.service, self.rollout.buffer, self.rollout.prompts
 
     def describe(self) -> str:
         if not self.rank0:
             return "rollout engines"
         return (f"{self.config.rollout.num_engines} {self.config.rollout.engine} engine(s), "
-                f"{len(self.prompts.samples)} prompts from {self.config.data.train_path}")
+                f"{self.rollout.num_prompts} prompts from {self.config.data.train_path}")
 
     # ---- the trainer loop's calls (collective: every rank calls each) ------------------------------
 
@@ -95,7 +81,7 @@ class EngineSource:
         """Start the engines, then load the trainer's actor into them (a resumed or `actor.load`
         run's weights are not the HF checkpoint the engines started from)."""
         if self.rank0:
-            urls = self.service.start()
+            urls = self.rollout.start()
             logger.info("rollout engines: %s", ", ".join(urls))
         self._sync(trainer, initial=True)
 
@@ -105,11 +91,10 @@ class EngineSource:
         if self.rank0:
             start = time.perf_counter()
             while batch[0] is None:
-                self.service.raise_if_failed()
-                batch[0] = self.buffer.take(self.config.data.batch_size, trainer.state.actor_version, timeout_s=1.0)
+                batch[0] = self.rollout.take(self.config.data.batch_size, trainer.state.actor_version, timeout_s=1.0)
             self._wait_s = time.perf_counter() - start
             if self.colocated:
-                self.service.suspend()  # the trainer takes the devices; generation waits
+                self.rollout.suspend()  # the trainer takes the devices; generation waits
         dist.broadcast_object_list(batch, src=0)
         self._batch = batch[0]
         return batch[0]
@@ -120,13 +105,15 @@ class EngineSource:
         if not self.rank0:
             return {}
         if self.colocated:
-            self.service.resume()
+            self.rollout.resume()
         # Partial rollout at work: trajectories whose actions were sampled by several versions.
         spans = sum(len(set(t.action_versions())) > 1 for t in self._batch) / max(len(self._batch), 1)
-        return {**self.service.metrics(), **self.buffer.metrics(), "time/wait_for_batch_s": self._wait_s,
+        rollout = self.rollout.metrics()  # the accounting, the engines, the buffer, data/epoch
+        epoch = rollout.pop("data/epoch")
+        return {**rollout, "time/wait_for_batch_s": self._wait_s,
                 "rollout/multi_version_frac": spans, "rollout/weight_sync_failures": float(self._sync_failures),
                 **self._take_sync_metrics(), "rollout/weight_version": float(self.synced_version),
-                "data/epoch": self.prompts.epochs_done}
+                "data/epoch": epoch}
 
     def _sync(self, trainer: Any, initial: bool = False) -> None:
         """Collective: stream the actor into the engines that need it. Rank 0 decides (a due
@@ -158,31 +145,32 @@ class EngineSource:
                 self.synced_version = version
                 return None
         current = str(self.synced_version)
-        lagging = [c.base_url for c in self.service.lagging_clients(current)] if self.synced_version >= 0 else []
+        lagging = self.rollout.lagging_urls(current) if self.synced_version >= 0 else []
         return lagging or None
 
     def _push(self, sync: Any, plan: str | list[str], version: int) -> None:
         """Rank 0: push `version` (or, for lagging engines, the current synced version's weights,
-        which are the actor's: the actor has not changed since) into the planned engines."""
+        which are the actor's: the actor has not changed since) into the planned engines. With a
+        rollout actor the push runs here against stand-ins that forward each engine call to it."""
         from megatron_sao.pipeline.weight_sync import WeightSyncError
         from megatron_sao.rollout.engine_protocol import EngineError
 
-        healthy = self.service.healthy_clients()
+        healthy = self.rollout.healthy_clients()
         clients = healthy if plan == "due" else [c for c in healthy if c.base_url in plan]
         label = version if plan == "due" else self.synced_version
         try:
-            with self.service.paused(clients) as paused:
+            with self.rollout.paused(clients) as paused:
                 if not paused:
                     sync.follow()  # nobody to send to: still take part in the collective stream
                     return
-                report = self.service.run(sync.push(paused, label))
+                report = self.rollout.run(sync.push(paused, label))
         except (WeightSyncError, EngineError) as e:
             self._sync_failures += 1
             logger.warning("weight sync to version %s failed (%s); engines that missed it are updated later", label, e)
             return
         self._sync_metrics = report.metrics()
         if report.path:  # disk mode: a restarted engine loads the current weights
-            self.service.supervisor.set_weights(report.path, str(label))
+            self.rollout.set_weights(report.path, str(label))
         logger.info("engines %s at weight version %s (%.2f s, %.1f MB)", ",".join(report.engines), label,
                     report.seconds, report.num_bytes / 2**20)
 
@@ -213,18 +201,15 @@ class EngineSource:
     def state_dict(self) -> dict[str, Any]:
         if not self.rank0:
             return {}
-        return {"prompts": self.prompts.state_dict(unfinished=self.service.pending_samples()),
-                "buffer": self.buffer.state_dict(), "rollout": self.service.state_dict()}
+        return self.rollout.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.rank0:
-            self.prompts.load_state_dict(state["prompts"])
-            self.buffer.load_state_dict(state["buffer"])
-            self.service.load_state_dict(state["rollout"])
+            self.rollout.load_state_dict(state)
 
     def close(self) -> None:
-        if self.service is not None:
-            self.service.stop()
+        if self.rollout is not None:
+            self.rollout.stop()
         if self._sync_impl is not None:
             self._sync_impl.exporter.close()
 

@@ -1,4 +1,5 @@
-"""Placement on Ray: one placement group per run, sized from the config, for trainer ranks and engines.
+"""Placement on Ray: one placement group per run, sized from the config, for trainer ranks, engines
+and the rollout (agent loop, ready buffer).
 
 The same code runs on one CPU box (a local Ray instance, `launcher.ray_address=''`) and on N GPU
 nodes (the cluster `sao launch slurm` starts, `launcher.ray_address=auto`). A bundle is one
@@ -12,12 +13,19 @@ colocated      bundles 0..T-1            trainer rank r in bundle r (half of it)
 disaggregated  bundles 0..T-1            trainer rank r in bundle r (all of it)
                bundles T..T+E x g - 1    engine i in bundles T + i x g .. (g = gpus per engine, 1
                                          for CPU engines): generation never stops for training
+both, with engines: the last bundle      {CPU: 1}: the rollout actor (agent loop, engine supervisor,
+                                         ready buffer, prompt stream; `pipeline/rollout_actor.py`)
 ```
 
 `auto` resolves as `sao plan` does (`planning.placement.gpu_layout`): colocated when the trainers
 take every GPU of the allocation, disaggregated otherwise; CPU engines are disaggregated unless
-the recipe says colocated. The agent loop and the ready buffer run on trainer rank 0 (a thread of
-that Ray actor), next to the trainer that consumes them.
+the recipe says colocated.
+
+The rollout gets a CPU bundle of its own rather than a share of trainer rank 0's: its agent loop
+(tokenising, environments, rewards, thousands of in-flight requests at scale) is CPU work that the
+group should reserve, not take from a trainer rank's accounting (which sets that rank's torch
+threads); trainer and engine bundle indices stay as they were; and PACK keeps it on the run's
+nodes. Trainer rank 0 is the only trainer rank that talks to it.
 """
 
 from __future__ import annotations
@@ -42,14 +50,31 @@ class RayPlacement:
     use_gpus: bool
 
     @property
-    def bundle_count(self) -> int:
+    def device_bundle_count(self) -> int:
+        """Bundles of trainers and engines (one device each)."""
         if self.placement == "colocated":
             return self.trainer_ranks
         return self.trainer_ranks + self.num_engines * self.devices_per_engine
 
+    @property
+    def has_rollout(self) -> bool:
+        """Whether the run has a rollout actor (it has engines)."""
+        return self.num_engines > 0
+
+    @property
+    def bundle_count(self) -> int:
+        return self.device_bundle_count + (1 if self.has_rollout else 0)
+
     def bundles(self) -> list[dict[str, float]]:
         device = {"CPU": 1.0, "GPU": 1.0} if self.use_gpus else {"CPU": 1.0}
-        return [dict(device) for _ in range(self.bundle_count)]
+        rollout = [{"CPU": 1.0}] if self.has_rollout else []
+        return [dict(device) for _ in range(self.device_bundle_count)] + rollout
+
+    def rollout_bundle(self) -> int:
+        """The rollout actor's bundle (CPU only): the last one."""
+        if not self.has_rollout:
+            raise ValueError("a placement without engines has no rollout bundle")
+        return self.device_bundle_count
 
     def trainer_bundles(self) -> list[int]:
         return list(range(self.trainer_ranks))
@@ -76,13 +101,16 @@ class RayPlacement:
         return share, (share if self.use_gpus else 0.0)
 
     def describe(self) -> str:
-        return (f"Ray placement: {self.placement}, {self.bundle_count} bundles of "
-                f"{'GPU+CPU' if self.use_gpus else 'CPU'}: trainer ranks in {self.trainer_bundles()}, "
-                f"engines in {self.engine_bundles()}")
+        rollout = f", rollout in {self.rollout_bundle()} (CPU)" if self.has_rollout else ""
+        return (f"Ray placement: {self.placement}, {self.device_bundle_count} bundles of "
+                f"{'GPU+CPU' if self.use_gpus else 'CPU'}{' + 1 CPU' if self.has_rollout else ''}: trainer ranks in "
+                f"{self.trainer_bundles()}, engines in {self.engine_bundles()}{rollout}")
 
 
 def ray_placement(config: SaoConfig, with_engines: bool) -> RayPlacement:
     """The placement of `config`'s trainer ranks and (when `with_engines`) its rollout engines."""
+    import torch
+
     from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.planning.placement import gpu_layout
 
@@ -96,8 +124,6 @@ def ray_placement(config: SaoConfig, with_engines: bool) -> RayPlacement:
     else:
         placement = "colocated" if config.launcher.engine_placement == "colocated" else "disaggregated"
         per_engine = 1
-    import torch
-
     return RayPlacement(placement=placement, trainer_ranks=trainers, num_engines=engines,
                         devices_per_engine=per_engine, use_gpus=torch.cuda.is_available() or gpu_engines)
 
@@ -108,7 +134,7 @@ def create_placement_group(placement: RayPlacement, timeout_s: float = 600.0) ->
     import ray
     from ray.util.placement_group import placement_group
 
-    group = placement_group(placement.bundles(), strategy="PACK", name="")
+    group = placement_group(placement.bundles(), strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(group)
@@ -140,3 +166,22 @@ def make_engine_supervisor(config: SaoConfig) -> Any:
         return RayEngineSupervisor(engine_config, group, placement.engine_bundles(), num_cpus, num_gpus)
 
     return supervisor
+
+
+def make_rollout_actor(config: SaoConfig, run_dir: Any) -> Any:
+    """The run's rollout as a Ray actor in its bundle of the placement group (a `RemoteRollout`,
+    `pipeline/rollout_actor.py`) when this process is a rank placed by Ray; None otherwise (the
+    rollout then runs in this process)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return None
+    from megatron_sao.pipeline.rollout_actor import RemoteRollout
+
+    placement = ray_placement(config, with_engines=True)
+    return RemoteRollout(config, run_dir, group, placement.rollout_bundle(), make_engine_supervisor(config))

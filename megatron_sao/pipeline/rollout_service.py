@@ -146,14 +146,23 @@ class RolloutService:
         that died meanwhile is left out, marked unhealthy); continue them on exit. Trajectories
         still generating keep their tokens and go on under the new weights (each token tagged with
         the version that sampled it): partial rollout, not restart."""
-        self.raise_if_failed()
-        if self._suspended:  # colocated: already paused, `resume` continues after the update
-            yield clients
-            return
-        paused = self.run(self._each(clients, lambda c: c.pause_generation("in_place")))
+        paused = self.pause_for_update(clients)
         try:
             yield paused
         finally:
+            self.continue_after_update(paused)
+
+    def pause_for_update(self, clients: list[Any]) -> list[Any]:
+        """`paused`'s first half (also called on its own across a process boundary,
+        `pipeline/rollout_actor.py`): pause `clients` in place; returns those that paused."""
+        self.raise_if_failed()
+        if self._suspended:  # colocated: already paused, `resume` continues after the update
+            return list(clients)
+        return self.run(self._each(clients, lambda c: c.pause_generation("in_place")))
+
+    def continue_after_update(self, paused: list[Any]) -> None:
+        """`paused`'s second half: continue what `pause_for_update` paused."""
+        if not self._suspended:
             self.run(self._each(paused, lambda c: c.continue_generation()))
 
     async def _each(self, clients: list[Any], call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
