@@ -107,9 +107,9 @@ def mode_overrides(mode: str, args: argparse.Namespace, hf_dir: str, prompts: st
     if mode == "sao":
         return [*common, f"algorithm.max_staleness={args.max_staleness}"]
     if mode == "sync_single":
-        return [*common, "algorithm.max_staleness=0"]
+        return [*common, "algorithm.max_staleness=0", "pipeline.barrier=true"]
     if mode == "sync_grpo":
-        return [*common, "algorithm.max_staleness=0", f"algorithm.group_size={args.group}",
+        return [*common, "algorithm.max_staleness=0", "pipeline.barrier=true", f"algorithm.group_size={args.group}",
                 "algorithm.advantage=grpo", "algorithm.policy_loss=ppo_clip", "algorithm.old_logprobs=recompute"]
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
 
@@ -182,7 +182,7 @@ def bench_mode(mode: str, args: argparse.Namespace, hf_dir: str, prompts: str, w
     import torch
 
     from megatron_sao.config import load_config
-    from megatron_sao.pipeline.buffer import round_gated, trajectory_staleness
+    from megatron_sao.pipeline.buffer import trajectory_staleness
     from megatron_sao.pipeline.engine_source import EngineSource
     from megatron_sao.platform import init_model_parallel
     from megatron_sao.training.trainer import SaoTrainer
@@ -196,9 +196,7 @@ def bench_mode(mode: str, args: argparse.Namespace, hf_dir: str, prompts: str, w
     run_dir.mkdir(parents=True, exist_ok=True)
     source = EngineSource(config, run_dir)
     source.service.engine_config.cpu_threads = args.engine_threads
-    if mode != "sao":  # tool-local until a `pipeline.barrier` setting does this in EngineSource
-        source.buffer.barrier = True
-        source.service.env_factory = round_gated(source.service.env_factory, source.buffer)
+    assert source.buffer.barrier == (mode != "sao")  # `pipeline.barrier`, set by mode_overrides
     steps: list[dict[str, Any]] = []
     trajectories: list[dict[str, Any]] = []
     try:

@@ -289,6 +289,10 @@ class PipelineConfig:
     (None: 2 x data.batch_size)."""
     distinct_prompts: bool = True
     """A batch holds at most one trajectory (group) per prompt."""
+    barrier: bool = False
+    """Synchronous rounds, for baselines (sync GRPO / sync single-rollout, `tools/bench_async.py`):
+    a round of `data.batch_size` trajectories starts generating only when the trainer asks for a
+    batch, and the trainer waits for all of it. False: SAO's asynchronous buffer."""
     engine_health_interval_s: float = 5.0
     """Seconds between health checks of each running engine."""
     engine_health_timeout_s: float = 10.0

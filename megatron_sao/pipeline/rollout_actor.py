@@ -58,7 +58,7 @@ class RolloutHost:
                  ) -> None:
         from transformers import AutoTokenizer
 
-        from megatron_sao.pipeline.buffer import ReadyBuffer
+        from megatron_sao.pipeline.buffer import ReadyBuffer, round_gated
         from megatron_sao.pipeline.engine_source import positioned
         from megatron_sao.pipeline.prompts import PromptStream
         from megatron_sao.pipeline.rollout_service import RolloutService, log_dir
@@ -74,12 +74,15 @@ class RolloutHost:
         self.buffer = ReadyBuffer(group_size=c.algorithm.group_size, max_staleness=c.algorithm.max_staleness,
                                   staleness_check=p.staleness_check, stale_policy=p.stale_policy,
                                   max_buffered=p.max_buffered or 2 * c.data.batch_size,
-                                  distinct_prompts=p.distinct_prompts)
+                                  distinct_prompts=p.distinct_prompts, barrier=p.barrier)
+        env_factory = env_factory_from(c)
+        if p.barrier:  # each environment's reset waits for a permit of the round the trainer opened
+            env_factory = round_gated(env_factory, self.buffer)
         engine_config = engine_config_from(c)
         engine_config.log_dir = log_dir(Path(run_dir))
         self.service = RolloutService(
             engine_config, agent_loop_config_from(c), AutoTokenizer.from_pretrained(c.model.hf_path),
-            env_factory_from(c), positioned(self.prompts), self.buffer,
+            env_factory, positioned(self.prompts), self.buffer,
             max_inflight_per_engine=c.rollout.max_inflight_per_engine, health_interval_s=p.engine_health_interval_s,
             health_timeout_s=p.engine_health_timeout_s, health_failures=p.engine_health_failures,
             make_supervisor=make_supervisor)
