@@ -43,6 +43,9 @@ class DemoPlan:
     ray: bool = True
     """Run the SAO stage with its trainer ranks and engines placed on a local Ray instance (the
     placement clusters use); false: local processes."""
+    teacher: Any = None
+    """The SFT demonstration writer, `(sample, observations) -> action`; None: `calc.oracle_action`
+    (`sao online` passes `calc_shift.mixed_oracle`, demonstrations in both styles)."""
 
 
 def _stage_config(config: SaoConfig, stage: str, **overrides: Any) -> SaoConfig:
@@ -93,7 +96,7 @@ def _demonstrations(config: SaoConfig, base: Path, plan: DemoPlan, seed: int) ->
     path = base / "demonstrations.parquet"
     if not path.is_file():
         samples = generate_calc_samples(plan.num_demonstrations, seed + 7)
-        records = demonstrations(samples, make_calc(**config.rollout.environment_kwargs), oracle_action,
+        records = demonstrations(samples, make_calc(**config.rollout.environment_kwargs), plan.teacher or oracle_action,
                                  AutoTokenizer.from_pretrained(config.model.hf_path), config.rollout.max_turns)
         write_parquet(path, records)
     return path

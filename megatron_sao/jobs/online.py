@@ -1,8 +1,11 @@
 """`sao online RECIPE`: online mode on the tiny task, SAO's critic vs a running-mean baseline.
 
 The recipe's reward shifts during the run (`rollout.environment: calc_shift`: the preferred
-answer changes phase by phase, by the prompt's position in the stream). From the demo's SFT
-policy and value-pretrained critic (`sao demo`'s stages 1-3, reused when they exist), two RL runs
+answer changes phase by phase, by the prompt's position in the stream). The demo's stages 1-3
+(`sao demo`'s convert, SFT, value pretraining; reused when they exist) give the SFT policy and the
+value-pretrained critic, with one difference: the SFT demonstrations are written in both styles
+(`calc_shift.mixed_oracle`, `rollout.environment_kwargs.demonstration_echo_share` of them `echo`),
+so the policy's own samples include both and RL can follow either preference. Two RL runs then
 see the same prompt stream and the same shifts:
 
     critic         SAO as the recipe says (skip-observation GAE on the critic's values)
@@ -21,30 +24,33 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.jobs.demo import DemoPlan
 
 BASELINE_WINDOW = 128
 
 
-def run_online(config: SaoConfig, plan: Any = None) -> int:
-    from megatron_sao.jobs.demo import DemoPlan, _check, _say, _stage_config, prepare_policy_and_critic
+def run_online(config: SaoConfig, plan: DemoPlan | None = None) -> int:
+    from megatron_sao.jobs.demo import _check, _say, _stage_config, prepare_policy_and_critic
     from megatron_sao.jobs.train import run_train
     from megatron_sao.reporting.compare import write_comparison
-    from megatron_sao.rollout.envs.calc_shift import make_calc_shift
+    from megatron_sao.rollout.envs.calc_shift import SHIFT_KEYS, CalcShiftConfig, mixed_oracle
 
     rollout = config.rollout
     if rollout.environment != "calc_shift":
         raise ValueError(f"rollout.environment={rollout.environment!r}: `sao online` needs a shifting reward "
                          "(rollout.environment: calc_shift, see recipes/tiny_cpu_online.yaml)")
-    make_calc_shift(**rollout.environment_kwargs)  # a clear error now rather than in the rollout thread
-    kwargs = dict(rollout.environment_kwargs)
-    phases = list(kwargs.pop("phases", ("result", "echo", "result")))
-    phase_prompts = int(kwargs.pop("phase_length", 640))
-    if phase_prompts % config.data.batch_size:
-        raise ValueError(f"rollout.environment_kwargs.phase_length={phase_prompts} must be a multiple of "
+    shift = CalcShiftConfig.from_kwargs(**rollout.environment_kwargs)  # a clear error now, not in the rollout
+    phases = list(shift.phases)
+    if shift.phase_length % config.data.batch_size:
+        raise ValueError(f"rollout.environment_kwargs.phase_length={shift.phase_length} must be a multiple of "
                          f"data.batch_size={config.data.batch_size} (phases are drawn as whole steps)")
-    phase_steps = phase_prompts // config.data.batch_size
-    plain = replace(config, rollout=replace(rollout, environment="calc", environment_kwargs=kwargs))
-    prepared = prepare_policy_and_critic(plain, plan or DemoPlan())
+    phase_steps = shift.phase_length // config.data.batch_size
+    calc_kwargs = {k: v for k, v in rollout.environment_kwargs.items() if k not in SHIFT_KEYS}
+    plain = replace(config, rollout=replace(rollout, environment="calc", environment_kwargs=calc_kwargs))
+    plan = plan or DemoPlan()
+    if plan.teacher is None:  # SFT on both styles, so the policy's own samples can follow either preference
+        plan = replace(plan, teacher=mixed_oracle(shift.demonstration_echo_share))
+    prepared = prepare_policy_and_critic(plain, plan)
 
     runs: dict[str, Path] = {}
     for name, overrides in (("critic", {}),
@@ -86,7 +92,6 @@ def add_online_parser(subparsers: Any) -> None:
 
     def run(args: argparse.Namespace) -> int:
         from megatron_sao.config import load_config
-        from megatron_sao.jobs.demo import DemoPlan
 
         plan = DemoPlan()
         if args.sft_steps is not None:

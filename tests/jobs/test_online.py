@@ -24,6 +24,12 @@ def test_online_runs_both_estimators_and_compares_them(tmp_path):
     assert lines[-1].startswith("comparison: ") and Path(lines[-1].removeprefix("comparison: ")).is_file()
     assert lines[-3].startswith("critic: phase 0 (result)") and lines[-2].startswith("running_mean: phase 0")
     base = tmp_path / "tiny_cpu_online"
+    from megatron_sao.rollout.trajectory_io import read_parquet
+
+    # SFT data in both styles (calc_shift.mixed_oracle): `result` episodes call the tool (2 turns),
+    # `echo` episodes answer at once (1 turn), so the SFT policy can sample either.
+    turns = {len(t.turns) for t in read_parquet(base / "demonstrations.parquet")}
+    assert turns == {1, 2}
     for name in ("online_critic", "online_running_mean"):
         rows = (base / name / "metrics.jsonl").read_text().splitlines()
         assert len(rows) == 6  # 3 phases x 2 steps

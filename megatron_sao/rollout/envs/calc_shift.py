@@ -13,17 +13,28 @@ an episode is a function of its prompt's position in the run's prompt stream
 (`stream_position`, written by the pipeline, restored with the stream on resume), so a resumed run
 sees the same schedule: `phases[position // phase_length]`, the last phase holding afterwards.
 `info["phase"]` records the phase index of every episode.
+
+The policy must be able to write in each style for RL to follow a shift (the paper's policy can
+write in each of its three styles; the reward prefers one per phase): `mixed_oracle` writes SFT
+demonstrations in both, `result` style (`calc.oracle_action`: call the tool, answer with its
+observation) for a share of the prompts and `echo` style (answer with the expression, no call) for
+the rest (`demonstration_echo_share`, 0.5 by default). The SFT policy then samples both, and the
+style is decided by the first token of the first turn (`<tool_call>` or not): RL moves that one
+choice toward whichever style the current phase rewards.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_sao.rollout.environment import STREAM_POSITION_KEY, PromptSample, StepResult
-from megatron_sao.rollout.envs.calc import CalcConfig, CalcEnv, char_f1
+from megatron_sao.rollout.envs.calc import CalcConfig, CalcEnv, char_f1, oracle_action
 
 PREFERENCES = ("result", "echo")
+SHIFT_KEYS = ("phases", "phase_length", "demonstration_echo_share")
+"""`rollout.environment_kwargs` keys of `calc_shift` itself (the rest are CalcConfig fields)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,7 +42,10 @@ class CalcShiftConfig:
     phases: tuple[str, ...] = ("result", "echo", "result")
     phase_length: int = 640
     """Prompts drawn from the stream per phase (e.g. 40 steps of batch 16)."""
-    calc: CalcConfig = None  # type: ignore[assignment]
+    demonstration_echo_share: float = 0.5
+    """Share of the SFT demonstrations (`mixed_oracle`, `sao online`) written in the `echo` style;
+    the rest are `result` style. Not used by the environment itself."""
+    calc: CalcConfig = field(default_factory=CalcConfig)
 
     def __post_init__(self) -> None:
         self.phases = tuple(self.phases)
@@ -41,11 +55,48 @@ class CalcShiftConfig:
                              f"{list(self.phases)}")
         if self.phase_length < 1:
             raise ValueError(f"calc_shift phase_length must be >= 1, got {self.phase_length}")
-        if self.calc is None:
-            self.calc = CalcConfig()
+        if not 0.0 <= self.demonstration_echo_share <= 1.0:
+            raise ValueError(f"calc_shift demonstration_echo_share must be in [0, 1], got "
+                             f"{self.demonstration_echo_share}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> CalcShiftConfig:
+        """`SHIFT_KEYS` and CalcConfig fields (a recipe's `rollout.environment_kwargs`)."""
+        shift = {k: kwargs.pop(k) for k in SHIFT_KEYS if k in kwargs}
+        if "phases" in shift:
+            shift["phases"] = tuple(shift["phases"])
+        return cls(**shift, calc=CalcConfig(**kwargs))
 
     def phase_at(self, position: int) -> int:
         return min(position // self.phase_length, len(self.phases) - 1)
+
+
+def demonstration_style(sample: PromptSample, echo_share: float) -> str:
+    """The style `mixed_oracle` writes `sample` in: `echo` for a stable pseudo-random `echo_share`
+    of prompt ids (a hash of the id, so the same prompt always gets the same style), else `result`."""
+    digest = hashlib.blake2b(sample.prompt_id.encode("utf-8"), digest_size=8).digest()
+    bucket = int.from_bytes(digest, "big") / 2**64
+    return "echo" if bucket < echo_share else "result"
+
+
+def echo_action(sample: PromptSample, observations: list[str]) -> str:
+    """The scripted `echo` policy: answer with the expression at once (no tool call). Reward 1.0
+    under the `echo` preference."""
+    return str(sample.metadata.get("expression", sample.messages[-1]["content"]))
+
+
+def mixed_oracle(echo_share: float = 0.5) -> Any:
+    """A demonstration writer (`rollout.demonstrations` teacher) in both styles: `echo_action` for
+    the `demonstration_style` `echo` prompts, `calc.oracle_action` (`result`) for the others."""
+    if not 0.0 <= echo_share <= 1.0:
+        raise ValueError(f"mixed_oracle: echo_share must be in [0, 1], got {echo_share}")
+
+    def teacher(sample: PromptSample, observations: list[str]) -> str:
+        if demonstration_style(sample, echo_share) == "echo":
+            return echo_action(sample, observations)
+        return oracle_action(sample, observations)
+
+    return teacher
 
 
 def echo_score(answer: str | None, expression: str, config: CalcConfig) -> dict[str, float]:
@@ -86,8 +137,8 @@ class CalcShiftEnv(CalcEnv):
         return result
 
 
-def make_calc_shift(phases: list[str] | tuple[str, ...] = ("result", "echo", "result"), phase_length: int = 640,
-                    **calc_kwargs: Any) -> Any:
-    """Registry builder: the phases, their length in stream positions, and CalcConfig fields."""
-    config = CalcShiftConfig(phases=tuple(phases), phase_length=phase_length, calc=CalcConfig(**calc_kwargs))
+def make_calc_shift(**kwargs: Any) -> Any:
+    """Registry builder: `phases`, `phase_length` (stream positions per phase),
+    `demonstration_echo_share` (SFT data only) and CalcConfig fields."""
+    config = CalcShiftConfig.from_kwargs(**kwargs)
     return lambda sample: CalcShiftEnv(config)
