@@ -34,12 +34,13 @@ def _reference(checkpoint: HFCheckpoint) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a mapping
 
 
-def _wait_until_idle(source, timeout_s: float = 10.0) -> None:
-    """Until the read-ahead thread is blocked on the budget or done."""
+def _wait_until_idle(source, ready: int | None = None, timeout_s: float = 30.0) -> None:
+    """Until the read-ahead thread is blocked on the budget or done (with `ready` tensors read
+    ahead, when given: a thread not yet started is idle too, so a busy host needs the count)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with source._cond:
-            if source._reading is None:
+            if source._reading is None and (ready is None or len(source._ready) >= ready):
                 time.sleep(0.05)
                 with source._cond:
                     if source._reading is None:
@@ -57,7 +58,7 @@ def test_read_ahead_returns_exact_tensors_within_the_bucket(checkpoint):
     source.on_bytes = read.append
     try:
         source.start(order)
-        _wait_until_idle(source)
+        _wait_until_idle(source, ready=4)
         assert source._buffered <= 2 * KB and len(source._ready) == 4  # 4 x 512 B, then it waits
         got = {}
         for name in order:
