@@ -72,6 +72,7 @@ def _wait_for_step(tmp_path: Path, job_id: str, step: int, timeout_s: float = 24
         time.sleep(1)
 
 
+@pytest.mark.slow  # ~3 min: the longest default-suite test (the failing-job test keeps Slurm in it)
 @pytest.mark.timeout(420)
 def test_tiny_recipe_across_two_nodes_checkpoints_on_time_limit_and_resumes_after_requeue(
         local_slurm: int, trajectories: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
