@@ -145,16 +145,19 @@ def create_placement_group(placement: RayPlacement, timeout_s: float = 600.0) ->
     return group
 
 
-def make_engine_supervisor(config: SaoConfig) -> Any:
-    """The engine supervisor factory of this run: Ray actors in the run's placement group when
-    this process is a rank placed by Ray, None otherwise (local engine processes)."""
+def _current_placement_group() -> Any:
+    """The placement group this process was placed in by Ray, or None (no Ray, or not placed)."""
     try:
         import ray
     except ImportError:
         return None
-    if not ray.is_initialized():
-        return None
-    group = ray.util.get_current_placement_group()
+    return ray.util.get_current_placement_group() if ray.is_initialized() else None
+
+
+def make_engine_supervisor(config: SaoConfig) -> Any:
+    """The engine supervisor factory of this run: Ray actors in the run's placement group when
+    this process is a rank placed by Ray, None otherwise (local engine processes)."""
+    group = _current_placement_group()
     if group is None:
         return None
     from megatron_sao.pipeline.ray_engines import RayEngineSupervisor
@@ -172,13 +175,7 @@ def make_rollout_actor(config: SaoConfig, run_dir: Any) -> Any:
     """The run's rollout as a Ray actor in its bundle of the placement group (a `RemoteRollout`,
     `pipeline/rollout_actor.py`) when this process is a rank placed by Ray; None otherwise (the
     rollout then runs in this process)."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    if not ray.is_initialized():
-        return None
-    group = ray.util.get_current_placement_group()
+    group = _current_placement_group()
     if group is None:
         return None
     from megatron_sao.pipeline.rollout_actor import RemoteRollout
