@@ -14,7 +14,10 @@ Measured on Megatron-Core 0.19.2 (docs/conversion.md#memory-and-streaming):
 files and metadata: any torch_dist reader reads the result) with `StreamingWriter`, whose threads
 each write one file item by item, staging (cloning, or copying to host) an item only just before
 writing it and only while a shared byte budget (the I/O bucket) allows. Each thread hashes its file
-as it writes (`writeback.HashingFile`) and starts its write-back item by item. `load_state` loads
+as it writes (`writeback.HashingFile`) and starts its write-back item by item. Given a `fill`
+function and its `FillTracker`, the strategy plans the save (shapes only), starts the writers, and
+runs `fill` (a conversion's load) on the calling thread while they write: each writer waits for
+each item's tensor to be filled, and writes its items in fill order. `load_state` loads
 into the parameters' own storage: the halves are views of the parameter, so after loading the
 parameter already holds the result and the merge returns it instead of a concatenated copy.
 """
@@ -33,7 +36,11 @@ from typing import Any
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync, _split_by_size_and_type
+from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+    FileSystemWriterAsync,
+    _item_size,
+    _split_by_size_and_type,
+)
 from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
@@ -55,6 +62,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.utils.serialization import config as serialization_config
 
+from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.writeback import HashingFile
 
 OnBytes = Callable[[int], None]
@@ -97,23 +105,44 @@ if "serialization_format" in inspect.signature(_write_item).parameters:
     _WRITE_KWARGS["serialization_format"] = SerializationFormat.TORCH_SAVE
 
 
+def _split_in_fill_order(thread_count: int, items: list[Any], planner: Any,
+                         tracker: FillTracker) -> list[list[Any]]:
+    """Items per thread, each list in fill order (byte items first), bytes balanced greedily."""
+    tensors = [item for item in items if item.type != WriteItemType.BYTE_IO]
+    buckets: list[list[Any]] = [[] for _ in range(thread_count)]
+    buckets[0] = [item for item in items if item.type == WriteItemType.BYTE_IO]
+    load = [0] * thread_count
+    keyed = [(tracker.position(planner.resolve_data(item)), i, item) for i, item in enumerate(tensors)]
+    for _, _, item in sorted(keyed, key=lambda k: k[:2]):
+        target = min(range(thread_count), key=lambda t: (load[t], t))
+        buckets[target].append(item)
+        load[target] += _item_size(item)
+    return buckets
+
+
 class StreamingWriter(FileSystemWriterAsync):
     """One file per thread, written item by item; see the module docstring."""
 
-    def __init__(self, path: str | Path, thread_count: int, budget: ByteBudget, on_bytes: OnBytes | None) -> None:
+    def __init__(self, path: str | Path, thread_count: int, budget: ByteBudget, on_bytes: OnBytes | None,
+                 tracker: FillTracker | None = None) -> None:
         super().__init__(str(path), thread_count=thread_count)
         self.budget = budget
         self.on_bytes = on_bytes
+        self.tracker = tracker
         self.files: dict[str, tuple[int, str]] = {}
         """file name -> (bytes, sha256) of the files this rank wrote."""
         self.planned_bytes = 0
         self._results: list[Any] = []
         self._failed = threading.Event()
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Any] = []
 
     def prepare_write_data(self, plan: Any, planner: Any) -> None:
         prefix = plan.storage_data.prefix
         self.write_buckets = []
-        for i, items in enumerate(_split_by_size_and_type(self.thread_count, plan.items)):
+        split = _split_in_fill_order(self.thread_count, plan.items, planner, self.tracker) if self.tracker \
+            else _split_by_size_and_type(self.thread_count, plan.items)
+        for i, items in enumerate(split):
             if items:
                 name = f"{prefix}{i}{DEFAULT_SUFFIX}"
                 data = [(item, planner.resolve_data(item)) for item in items]  # views stay views
@@ -123,26 +152,40 @@ class StreamingWriter(FileSystemWriterAsync):
         self.results_queue = None
 
     def write_all(self) -> None:
-        # torch.save's zip CRC32 of every record costs ~0.9 s/GB of CPU here and no reader checks
-        # it (torch.load does not); the files' SHA-256 computed while writing covers every byte.
-        crc32 = serialization_config.save.compute_crc32
-        serialization_config.save.compute_crc32 = False
+        self.start()
+        self.join()
+
+    def start(self) -> None:
+        """Start one thread per file (returns at once)."""
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.write_buckets)),
+                                        thread_name_prefix="sao-torch-dist-write")
+        self._futures = [self._pool.submit(self._write_file, *bucket) for bucket in self.write_buckets]
+
+    def join(self) -> None:
+        """Wait for every file; the first error is raised, after the other threads stopped."""
+        assert self._pool is not None, "join() before start()"
         try:
-            with ThreadPoolExecutor(max_workers=max(1, len(self.write_buckets)),
-                                    thread_name_prefix="sao-torch-dist-write") as pool:
-                futures = [pool.submit(self._write_file, *bucket) for bucket in self.write_buckets]
-                try:
-                    results = [f.result() for f in futures]
-                except BaseException:  # a failed thread, or an interrupt: the others stop at their next item
-                    self._failed.set()
-                    raise
+            results = [f.result() for f in self._futures]
+        except BaseException:  # a failed thread, or an interrupt: the others stop at their next item
+            self._failed.set()
+            raise
         finally:
-            serialization_config.save.compute_crc32 = crc32
+            self._pool.shutdown(wait=True)
         self._results = [r for file_results in results for r in file_results]
+
+    def stop(self) -> None:
+        """Make every thread stop at its next item, and wait for them (their errors are dropped)."""
+        self._failed.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def _write_file(self, path: str, name: str, data: list[tuple[Any, Any]]) -> list[Any]:
         results = []
         transforms = [self.transforms] if hasattr(self, "transforms") else []
+        # torch.save's zip CRC32 of every record costs ~0.55 s/GB of CPU here and no reader checks
+        # it (torch.load does not); the file's SHA-256 computed while writing covers every byte.
+        # The setting is per thread.
+        serialization_config.save.compute_crc32 = False
         stream = HashingFile(path)
         try:
             for item, obj in data:
@@ -152,6 +195,8 @@ class StreamingWriter(FileSystemWriterAsync):
                     results.append(_write_item(*transforms, stream, obj, item, name, **_WRITE_KWARGS))
                     continue
                 tensor = obj.detach()
+                if self.tracker is not None:
+                    self.tracker.wait(tensor)
                 nbytes = _nbytes(tensor)
                 on_host = tensor.device.type == "cpu"
                 copy = not on_host or tensor.untyped_storage().nbytes() != nbytes
@@ -177,25 +222,38 @@ class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
     """Megatron's torch_dist save (same plan, files and metadata) through `StreamingWriter`."""
 
     def __init__(self, thread_count: int, bucket_bytes: int, on_bytes: OnBytes | None = None,
-                 on_planned: OnBytes | None = None) -> None:
+                 on_planned: OnBytes | None = None, fill: Callable[[], None] | None = None,
+                 tracker: FillTracker | None = None) -> None:
         super().__init__(backend="torch_dist", thread_count=thread_count)
+        if (fill is None) != (tracker is None):
+            raise ValueError("fill and tracker come together: the writers wait for what fill fills")
         self.bucket_bytes = bucket_bytes
         self.on_bytes = on_bytes
         self.on_planned = on_planned
+        self.fill = fill
+        self.tracker = tracker
         self.files: dict[str, tuple[int, str]] = {}
         self.budget_peak = 0
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
         state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         budget = ByteBudget(self.bucket_bytes)
-        writer = StreamingWriter(checkpoint_dir, self.thread_count, budget, self.on_bytes)
+        writer = StreamingWriter(checkpoint_dir, self.thread_count, budget, self.on_bytes, self.tracker)
         planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                    flatten_state_dict=False, flatten_sharded_tensors=False)
         finalize_args = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,
                                                    planner=planner)[0]
         if self.on_planned is not None:
             self.on_planned(writer.planned_bytes)
-        writer.write_all()
+        writer.start()
+        if self.fill is not None:
+            try:
+                self.fill()
+            except BaseException as error:
+                self.tracker.fail(error)
+                writer.stop()
+                raise
+        writer.join()
         save_state_dict_async_finalize(*finalize_args)
         self.files = dict(writer.files)
         self.budget_peak = budget.peak

@@ -22,6 +22,7 @@ import torch
 
 from megatron_sao.checkpointing import critic_format as cf
 from megatron_sao.checkpointing.families import Family, family_of
+from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.hf_files import (
     HFCheckpoint,
     check_weights_match_config,
@@ -29,7 +30,7 @@ from megatron_sao.checkpointing.hf_files import (
     inspect_hf_checkpoint,
     is_weight_file,
 )
-from megatron_sao.checkpointing.hf_load import LoadSpec, load_hf_weights
+from megatron_sao.checkpointing.hf_load import LoadSpec, float_state, load_hf_weights
 from megatron_sao.checkpointing.manifest import HF_DIR, PASSTHROUGH_DIR, Manifest, library_versions, write_manifest
 from megatron_sao.checkpointing.mcore_io import save_model, tensor_table
 from megatron_sao.checkpointing.model_setup import (
@@ -213,36 +214,44 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
         chunks = build_for_conversion(config, plan.role)
         rank_bytes = shard_bytes(chunks)
         phases["build"] = time.monotonic() - start - sum(phases.values())
-        # one line for the whole conversion: rank 0's reads, then its writes (estimated as its
-        # shard until the save plan says exactly)
-        progress = Progress("hf -> mcore", total_bytes=rank_bytes, enabled=request.progress and rank() == 0)
-        read_bytes = [0]
+        # one line for the whole conversion: rank 0's reads and writes, which overlap (the write
+        # estimated as the shard until the save plan says exactly, the read until the tasks do)
+        progress = Progress("hf -> mcore", total_bytes=2 * rank_bytes, enabled=request.progress and rank() == 0)
+        planned = {"read": rank_bytes, "write": rank_bytes}
 
-        def read_planned(nbytes: int) -> None:
-            read_bytes[0] = nbytes
-            progress.start_phase("read", nbytes + rank_bytes)
+        def planned_bytes(kind: str, nbytes: int) -> None:
+            planned[kind] = nbytes
+            progress.start_phase("convert", planned["read"] + planned["write"])
 
         handled = set(plan.passthrough)
         if plan.role == "critic":
             handled |= {cf.VALUE_WEIGHT, cf.VALUE_BIAS, cf.LM_HEAD}
+        # the load and the save overlap, so each gets half of the bucket
+        bucket = max(1, request.io_bucket_bytes // 2)
         spec = LoadSpec(checkpoint=plan.checkpoint, handled_hf_tensors=frozenset(handled),
                         skip_megatron_prefixes=("output_layer.",) if plan.role == "critic" else (),
-                        io_bucket_bytes=request.io_bucket_bytes, on_read_planned=read_planned,
+                        io_bucket_bytes=bucket, on_read_planned=lambda n: planned_bytes("read", n),
                         on_bytes=progress.advance)
-        with one_op_thread():
-            load_hf_weights(load_auto_bridge(view), chunks, spec)
-        value_head = None
-        if plan.role == "critic":
-            value_head = {"initialized": True, "init_std": request.value_head_init_std, "seed": request.seed}
-            if plan.source_is_critic:
-                value_head = _load_value_head(plan, chunks)
-        loaded_at = time.monotonic()
-        phases["load"] = loaded_at - start - sum(phases.values())
+        tracker = FillTracker(tensor for _, tensor in float_state(chunks, ()))
+        value_head: dict | None = None
+        loaded_at = 0.0
+
+        def fill() -> None:
+            nonlocal value_head, loaded_at
+            load_hf_weights(load_auto_bridge(view), chunks, spec, tracker)
+            if plan.role == "critic":
+                value_head = {"initialized": True, "init_std": request.value_head_init_std, "seed": request.seed}
+                if plan.source_is_critic:
+                    value_head = _load_value_head(plan, chunks)
+            tracker.finish()
+            loaded_at = time.monotonic()
+
         with disk_full_as_value_error(staged.tmp):
             with one_op_thread():
-                written = save_model(chunks, staged.tmp, thread_count=request.io_threads,
-                                     bucket_bytes=request.io_bucket_bytes, on_bytes=progress.advance,
-                                     on_planned=lambda n: progress.start_phase("write", read_bytes[0] + n))
+                written = save_model(chunks, staged.tmp, thread_count=request.io_threads, bucket_bytes=bucket,
+                                     on_bytes=progress.advance, on_planned=lambda n: planned_bytes("write", n),
+                                     fill=fill, tracker=tracker)
+            phases["load"] = loaded_at - start - sum(phases.values())
             hashed = {name: entry for files in gather_objects(written) for name, entry in files.items()}
             barrier()
             phases["save"] = time.monotonic() - start - sum(phases.values())

@@ -1,0 +1,124 @@
+"""The torch_dist save overlapped with the load that fills the model (`FillTracker`, `save_model(fill=...)`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_sao.checkpointing.fill_tracker import FillTracker
+from megatron_sao.platform import run_distributed
+
+
+def _waiter(tracker: FillTracker, tensor: torch.Tensor, done: list[str]) -> threading.Thread:
+    def wait() -> None:
+        try:
+            tracker.wait(tensor)
+            done.append("ready")
+        except RuntimeError as error:
+            done.append(f"error: {error}")
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_view_is_ready_when_the_tensor_holding_it_is_marked():
+    first, second = torch.zeros(8, 4), torch.zeros(6)
+    tracker = FillTracker([second, first])
+    half = first[4:]  # like the up half of a gated fc1
+    done: list[str] = []
+    thread = _waiter(tracker, half, done)
+    tracker.mark(second)
+    time.sleep(0.1)
+    assert done == [], "marking another tensor must not release a view of this one"
+    tracker.mark(first)
+    thread.join(timeout=5)
+    assert done == ["ready"]
+    assert tracker.position(half) == 1 and tracker.position(second) == 0
+    assert tracker.position(torch.zeros(3)) == 2, "untracked tensors come last"
+
+
+def test_an_untracked_tensor_waits_for_finish_and_a_failure_releases_every_waiter():
+    tracked, untracked = torch.zeros(4), torch.zeros(4)
+    tracker = FillTracker([tracked])
+    done: list[str] = []
+    thread = _waiter(tracker, untracked, done)
+    time.sleep(0.1)
+    assert done == []
+    tracker.finish()
+    thread.join(timeout=5)
+    assert done == ["ready"]
+
+    failing = FillTracker([tracked])
+    done.clear()
+    threads = [_waiter(failing, t, done) for t in (tracked, untracked)]
+    failing.fail(ValueError("row 3 is broken"))
+    for t in threads:
+        t.join(timeout=5)
+    assert done == ["error: the conversion filling this checkpoint failed: row 3 is broken"] * 2
+
+
+def test_tracked_tensors_may_not_overlap():
+    base = torch.zeros(10)
+    with pytest.raises(AssertionError, match="overlap"):
+        FillTracker([base[:6], base[4:]])
+
+
+def _overlapped_save(directory: str, fail_after: int | None) -> dict[str, Any]:
+    """Rank job: four tensors saved while a `fill` fills them one by one."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_sao.checkpointing.dist_writer import BoundedSaveStrategy
+
+    tensors = [torch.full((256, 1024), float("nan")) for _ in range(4)]
+    tracker = FillTracker(tensors)
+    written = [0]
+    written_before_fill_ended = [0]
+    lock = threading.Lock()
+
+    def on_bytes(n: int) -> None:
+        with lock:
+            written[0] += n
+
+    def fill() -> None:
+        for i, tensor in enumerate(tensors):
+            if fail_after is not None and i == fail_after:
+                raise ValueError(f"tensor {i} cannot be converted")
+            tensor.copy_(torch.arange(tensor.numel(), dtype=torch.float32).reshape(tensor.shape) + i)
+            tracker.mark(tensor)
+            if i == 1:  # the first two are ready: a writer must write them while fill goes on
+                deadline = time.monotonic() + 30
+                while written[0] < 2 * tensors[0].nbytes and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        written_before_fill_ended[0] = written[0]
+        tracker.finish()
+
+    Path(directory).mkdir()
+    state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t) for i, t in enumerate(tensors)}
+    strategy = BoundedSaveStrategy(thread_count=2, bucket_bytes=2**20, on_bytes=on_bytes, fill=fill, tracker=tracker)
+    try:
+        dist_checkpointing.save(state, directory, sharded_strategy=strategy)
+    except ValueError as error:
+        return {"error": str(error), "threads": [t.name for t in threading.enumerate() if "sao-torch" in t.name]}
+    fresh = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.zeros(256, 1024)) for i in range(4)}
+    loaded = dist_checkpointing.load(fresh, directory)
+    return {"written_before_fill_ended": written_before_fill_ended[0], "tensor_bytes": tensors[0].nbytes,
+            "exact": all(torch.equal(loaded[f"t{i}"], tensors[i]) for i in range(4))}
+
+
+def test_the_save_writes_filled_tensors_while_fill_runs_and_the_result_is_exact(tmp_path: Path):
+    result = run_distributed(_overlapped_save, 1, str(tmp_path / "ckpt"), None, timeout_s=300)[0]
+    assert result["exact"]
+    assert result["written_before_fill_ended"] >= 2 * result["tensor_bytes"]
+
+
+def test_a_failing_fill_fails_the_save_and_stops_its_writers(tmp_path: Path):
+    result = run_distributed(_overlapped_save, 1, str(tmp_path / "ckpt"), 2, timeout_s=300)[0]
+    assert result["error"] == "tensor 2 cannot be converted"
+    assert result["threads"] == []
