@@ -9,6 +9,8 @@ posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memor
    tensor list from transformers, data random, written tensor by tensor);
 2. sequential read of its safetensors files (16 MB reads): the disk's read speed R; and, for
    context, a sequential write of as many bytes with fsync (conversions write what they read);
+   then a checksummed copy of the files (read, SHA-256, write, fsync; two threads): the per-byte
+   work no conversion avoids, hence the most one can reach on this host;
 3. for each rank count of --nproc (default 1 and 2; EP = ranks unless --ep), in fresh processes:
    `hf-to-mcore`, then `mcore-to-hf` of the result: throughput = HF bytes / seconds;
 and prints each throughput as a fraction of min(sequential read, sequential write) and, for every
@@ -123,6 +125,38 @@ def sequential_write(path: Path, nbytes: int) -> float:
     return seconds
 
 
+def checksummed_copy(files: list[Path], destination: Path) -> float:
+    """Seconds to copy `files` into one file with SHA-256 of every byte and fsync, reading and
+    writing in two threads: what any conversion must at least do per byte (read, hash, write), and
+    so the most a conversion can reach on this host (the file is removed)."""
+    import hashlib
+    import queue
+    import threading
+
+    blocks: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
+    digest = hashlib.sha256()
+
+    def read() -> None:
+        for path in files:
+            with open(path, "rb", buffering=0) as f:
+                while block := f.read(_READ_BLOCK):
+                    digest.update(block)
+                    blocks.put(block)
+        blocks.put(None)
+
+    start = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    with open(destination, "wb", buffering=0) as out:
+        while (block := blocks.get()) is not None:
+            out.write(block)
+        os.fsync(out.fileno())
+    reader.join()
+    seconds = time.monotonic() - start
+    destination.unlink()
+    return seconds
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -184,6 +218,11 @@ def main() -> None:
               f"{human_bytes(write_speed)}/s")
         bound = min(read_speed, write_speed)
         print(f"bound min(read, write) = {human_bytes(bound)}/s (a conversion writes as many bytes as it reads)")
+        evict(work)
+        copy_s = checksummed_copy(files, work / "copy_probe")
+        print(f"checksummed copy (read + SHA-256 + write + fsync, 2 threads): {copy_s:.2f} s = "
+              f"{human_bytes(model_bytes / copy_s)}/s = {model_bytes / copy_s / bound:.2f} x min(read, write): "
+              "the per-byte work every conversion does, so its ceiling on this host")
         # each rank imports the conversion stack before its baseline is taken (rss.warm_up): the
         # memory reported is what the conversion holds, not the libraries' one-off ~200 MB
         rank_job = partial(measured, warm_dir=work / "hf")
