@@ -5,7 +5,10 @@ the requested TP/PP/EP layout, so each rank holds only its shard of it, and read
 tensors its shard needs. Peak host memory per rank is its shard plus the I/O bucket (HF tensors
 read ahead, `hf_reader`; tensors staged for the torch_dist writer, `dist_writer`) plus the tensors
 of the one conversion task in flight, never a second copy of the shard
-(docs/conversion.md#memory-and-streaming). The .distcp files are hashed while they are written.
+(docs/conversion.md#memory-and-streaming). The save runs while the load fills the model: each
+parameter is written once it is filled (`FillTracker`), so reading, converting and writing overlap;
+read-ahead and write staging get half of the bucket each. The .distcp files are hashed while they
+are written.
 Checks that need no model (`plan_hf_to_mcore`) run first, on every rank, before any collective.
 """
 
