@@ -117,7 +117,7 @@ def resume_source(hf_dir: str, ckpt: str) -> dict[str, Any]:
 
 def resume_and_reshard(hf_dir: str, ckpt: str, out: str) -> dict[str, Any]:
     """Fresh processes. EP2: load step 3, 3 steps -> S2. Then EP2 -> DP2: load step 3, re-save it, take
-    step 4 and save; EP2 -> TP2 -> TP1 (DP2): load, re-save, load that, re-save; EP2 -> PP2: load, re-save."""
+    step 4 and save. (The other layouts: `reshard_other_layouts`, slow.)"""
     from megatron_sao.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 
     ckpt_dir, out_dir = Path(ckpt), Path(out)
@@ -133,7 +133,15 @@ def resume_and_reshard(hf_dir: str, ckpt: str, out: str) -> dict[str, Any]:
     save_checkpoint(out_dir / "dp2", 3, roles, {"step": 3}, keep_last=0)
     train_steps(roles, 3, 1)
     save_checkpoint(out_dir / "dp2", 4, roles, {"step": 4}, keep_last=0)
+    return result
 
+
+def reshard_other_layouts(hf_dir: str, ckpt: str, out: str) -> None:
+    """Fresh processes, after `resume_and_reshard`: EP2 -> TP2 -> TP1 (DP2): load step 3, re-save, load
+    that, re-save; EP2 -> PP2: load, re-save."""
+    from megatron_sao.training.checkpoint import load_checkpoint, save_checkpoint
+
+    ckpt_dir, out_dir = Path(ckpt), Path(out)
     roles = build_roles(hf_dir, TP2)
     load_checkpoint(ckpt_dir / "iter_0000003", roles)
     save_checkpoint(out_dir / "tp2", 3, roles, {"step": 3}, keep_last=0)
@@ -143,7 +151,6 @@ def resume_and_reshard(hf_dir: str, ckpt: str, out: str) -> dict[str, Any]:
     roles = build_roles(hf_dir, PP2)
     load_checkpoint(ckpt_dir / "iter_0000003", roles)
     save_checkpoint(out_dir / "pp2", 3, roles, {"step": 3}, keep_last=0)
-    return result
 
 
 def save_then_die(hf_dir: str, ckpt: str, snapshot_path: str) -> None:

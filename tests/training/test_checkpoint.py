@@ -25,11 +25,20 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def resumed(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """EP2 with the distributed optimizer: 6 steps straight (saving at 3 and 4) vs load 3 + 3 steps in
-    fresh processes; then the step-3 checkpoint loaded into DP2, TP2 and TP2 -> TP1 and re-saved."""
+    fresh processes; then the step-3 checkpoint loaded into DP2, re-saved, one step taken and saved."""
     root = tmp_path_factory.mktemp("resume")
     source = run_distributed(worker.resume_source, 2, str(hf_dir), str(root / "ckpt"))
     target = run_distributed(worker.resume_and_reshard, 2, str(hf_dir), str(root / "ckpt"), str(root / "out"))
     return {"root": root, "source": source, "target": target}
+
+
+@pytest.fixture(scope="module")
+def resharded_other_layouts(resumed: dict, hf_dir: Path) -> dict:
+    """Slow part of the resharding: the step-3 checkpoint loaded into TP2, TP2 -> TP1 (DP2) and PP2 and
+    re-saved (fresh processes; only the slow parameters of the reshard test ask for it)."""
+    root = resumed["root"]
+    run_distributed(worker.reshard_other_layouts, 2, str(hf_dir), str(root / "ckpt"), str(root / "out"))
+    return resumed
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +73,23 @@ def test_resume_restores_rng_and_trainer_state(resumed):
     assert resumed["target"][0]["latest"].endswith("iter_0000004")
 
 
-@pytest.mark.parametrize(("saved", "resaved"), [
-    ("ckpt/iter_0000003", "out/dp2/iter_0000003"),   # EP2 -> DP2 (expert=1)
-    ("ckpt/iter_0000004", "out/dp2/iter_0000004"),   # ... and one step taken in DP2
-    ("ckpt/iter_0000003", "out/tp2/iter_0000003"),   # EP2 -> TP2
-    ("ckpt/iter_0000003", "out/tp1/iter_0000003"),   # TP2 -> TP1 (DP2)
-    ("ckpt/iter_0000003", "out/pp2/iter_0000003"),   # EP2 -> PP2
+# EP2 -> DP2 runs in the default suite (the `resumed` job); the other layouts are slow (a job of their own).
+SLOW_LAYOUTS = {"marks": pytest.mark.slow}
+
+
+@pytest.mark.parametrize(("saved", "resaved", "job"), [
+    pytest.param("ckpt/iter_0000003", "out/dp2/iter_0000003", "resumed", id="ep2_to_dp2"),
+    pytest.param("ckpt/iter_0000004", "out/dp2/iter_0000004", "resumed", id="ep2_to_dp2_then_a_step"),
+    pytest.param("ckpt/iter_0000003", "out/tp2/iter_0000003", "resharded_other_layouts", id="ep2_to_tp2",
+                 **SLOW_LAYOUTS),
+    pytest.param("ckpt/iter_0000003", "out/tp1/iter_0000003", "resharded_other_layouts", id="tp2_to_tp1_dp2",
+                 **SLOW_LAYOUTS),
+    pytest.param("ckpt/iter_0000003", "out/pp2/iter_0000003", "resharded_other_layouts", id="ep2_to_pp2",
+                 **SLOW_LAYOUTS),
 ])
-def test_layout_change_reshards_model_and_optimizer(resumed, tmp_path, saved, resaved):
+def test_layout_change_reshards_model_and_optimizer(request, tmp_path, saved, resaved, job):
     """Loaded into another layout and saved again: every model and optimizer tensor equal within 1e-6."""
-    root = resumed["root"]
+    root = request.getfixturevalue(job)["root"]
     for role in ("actor", "critic"):
         a = checkpoint_tensors(root / saved / role, tmp_path)
         b = checkpoint_tensors(root / resaved / role, tmp_path)
