@@ -1,4 +1,6 @@
-"""Session fixtures: tiny checkpoints of every family, converted once on 2 gloo ranks."""
+"""Session fixtures: tiny checkpoints of every family, converted on 2 gloo ranks: what the default
+run checks in one job (`conversions`), the rest of the family x layout matrix and the other families'
+critic chains in a second one (`more_conversions`) that only `slow` tests ask for."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from megatron_sao.checkpointing.model_setup import Layout
 from megatron_sao.platform import run_distributed
 from tests.checkpointing._helpers import tiny_checkpoint
-from tests.checkpointing._jobs import FamilyCase, run_families
+from tests.checkpointing._jobs import FamilyCase, layout_name, run_families
 
 # (import layout, export layout): every import layout is exported through a different one, so
 # each round trip also reshards the torch_dist checkpoint on load.
@@ -29,6 +31,33 @@ DEFAULT_FAMILIES = {
 }
 
 
+# What the default run converts. Qwen3-MoE (the main family): TP1 -> PP2 and TP2 -> EP2, its critic
+# chain (TP2 import, PP2 export, EP2 import, TP1 export) and the training-load checks: imports in
+# TP1, TP2 and EP2 and exports in TP1, PP2 and EP2 (test_layouts.py imports in PP2 x VPP2). Every
+# other family: TP2 -> EP2 (the manifest test reads each family's TP2 import) and verify;
+# DeepSeek-V3 also TP1 -> PP2 (its MTP tensor and Transformer Engine names are read from the TP1
+# import). The family x layout pairs and critic chains left out: `more_conversions` (slow).
+DEFAULT_RUN_LAYOUTS = {
+    "qwen3_moe": ROUND_TRIP_LAYOUTS[:2],
+    "glm4_moe": ROUND_TRIP_LAYOUTS[1:2],
+    "deepseek_v3": ROUND_TRIP_LAYOUTS[:2],
+    "glm_moe_dsa": ROUND_TRIP_LAYOUTS[1:2],
+}
+DEFAULT_RUN_CRITICS = {"qwen3_moe"}
+
+
+def conversion_param(family: str, layout: str | None = None):
+    """pytest.param(family[, layout], job): the session fixture that converts it, `conversions` (default
+    run) or `more_conversions` (marked slow). Without a layout: the family's critic chain."""
+    if layout is None:
+        fast = family in DEFAULT_RUN_CRITICS
+    else:
+        fast = layout in {layout_name(imp) for imp, _ in DEFAULT_RUN_LAYOUTS[family]}
+    values = (family,) if layout is None else (family, layout)
+    return pytest.param(*values, "conversions" if fast else "more_conversions",
+                        marks=() if fast else pytest.mark.slow, id="-".join(values))
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tiny_hf")
@@ -41,13 +70,29 @@ def family_checkpoints(tiny_root: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every family through every layout and the critic chain (+ training-load checks on Qwen3-MoE), 2 ranks."""
+    """The default run's conversions (DEFAULT_RUN_LAYOUTS, the critic chain and training-load checks on
+    Qwen3-MoE), 2 ranks."""
     work = tmp_path_factory.mktemp("conversions")
     cases = [
-        FamilyCase(name=family, hf_dir=path, work=work / family, layouts=ROUND_TRIP_LAYOUTS,
+        FamilyCase(name=family, hf_dir=path, work=work / family, layouts=DEFAULT_RUN_LAYOUTS[family],
                    verify_layouts=[Layout(), Layout(tp=2)] if family == "qwen3_moe" else [Layout()],
-                   critic=True, training_load=family == "qwen3_moe")
+                   critic=family in DEFAULT_RUN_CRITICS, training_load=family == "qwen3_moe")
         for family, path in family_checkpoints.items()
     ]
     results = run_distributed(run_families, 2, cases, timeout_s=900)[0]
+    return {"results": results, "cases": {c.name: c for c in cases}}
+
+
+@pytest.fixture(scope="session")
+def more_conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Slow: every family through the round-trip pairs the default run leaves out, and the critic chain
+    of every family but Qwen3-MoE, 2 ranks."""
+    work = tmp_path_factory.mktemp("more_conversions")
+    cases = [
+        FamilyCase(name=family, hf_dir=path, work=work / family, verify_layouts=[],
+                   layouts=[pair for pair in ROUND_TRIP_LAYOUTS if pair not in DEFAULT_RUN_LAYOUTS[family]],
+                   critic=family not in DEFAULT_RUN_CRITICS)
+        for family, path in family_checkpoints.items()
+    ]
+    results = run_distributed(run_families, 2, cases, timeout_s=1800)[0]
     return {"results": results, "cases": {c.name: c for c in cases}}

@@ -2,9 +2,10 @@
 
 Each family's tiny checkpoint is converted on 2 gloo ranks into TP1 (DP2), TP2, EP2 and PP2
 layouts and exported back through another layout (conftest.ROUND_TRIP_LAYOUTS), so every round
-trip also reshards. "Bit-identical" is checked on raw bytes of every tensor, with names, shapes
-and dtypes (GLM checkpoints are bf16 with fp32 router biases; DeepSeek-V3 carries an extra
-MTP-layer tensor through).
+trip also reshards; the default run converts each family through the pairs in
+conftest.DEFAULT_RUN_LAYOUTS, the other pairs are slow. "Bit-identical" is checked on raw bytes of
+every tensor, with names, shapes and dtypes (GLM checkpoints are bf16 with fp32 router biases;
+DeepSeek-V3 carries an extra MTP-layer tensor through).
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ import pytest
 from megatron_sao.checkpointing.hf_files import TORCH_TO_ST
 from tests.checkpointing._helpers import all_tensors, differences, ok
 from tests.checkpointing._jobs import layout_name
-from tests.checkpointing.conftest import DEFAULT_FAMILIES, ROUND_TRIP_LAYOUTS
+from tests.checkpointing.conftest import DEFAULT_FAMILIES, ROUND_TRIP_LAYOUTS, conversion_param
 
 FAMILIES = list(DEFAULT_FAMILIES)
 LAYOUTS = [layout_name(imp) for imp, _ in ROUND_TRIP_LAYOUTS]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hf_to_mcore_to_hf_is_bit_identical(conversions, family, layout):
+@pytest.mark.parametrize(("family", "layout", "job"), [conversion_param(f, lay) for f in FAMILIES for lay in LAYOUTS])
+def test_hf_to_mcore_to_hf_is_bit_identical(request, family, layout, job):
+    conversions = request.getfixturevalue(job)
     results = conversions["results"][family]
     case = conversions["cases"][family]
     ok(results[f"import/{layout}"])
