@@ -45,46 +45,61 @@ def _numeric(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}
 
 
-@pytest.mark.timeout(900)
-def test_kill_and_resume_is_exact_and_reshards(tmp_path, tiny_hf_dir, trajectories_file):
-    straight = _config(tmp_path, tiny_hf_dir, trajectories_file, "straight", "run.total_steps=6")
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory, tiny_hf_dir, trajectories_file) -> dict:
+    """6 steps straight; and 3 steps, "killed" (steps 4-5 left in its metrics), resumed to 6 (EP2)."""
+    root = tmp_path_factory.mktemp("kill_and_resume")
+    straight = _config(root, tiny_hf_dir, trajectories_file, "straight", "run.total_steps=6")
     assert run_train(straight)[0] == 0
-    first = _config(tmp_path, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=3")
+    first = _config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=3")
     assert run_train(first)[0] == 0
     # The "killed" run left steps 4-5 in its metrics (logged after its last checkpoint): resuming
     # must drop them, not duplicate them.
-    resumed_dir = tmp_path / "resumed"
-    with (resumed_dir / "metrics.jsonl").open("a") as f:
+    with (root / "resumed" / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"step": 4, "actor/loss": 123.0}) + "\n" + '{"step": 5, "actor/lo')
-    code, result, _ = run_train(_config(tmp_path, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=6"))
+    code, result, _ = run_train(_config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=6"))
+    return {"root": root, "code": code, "result": result}
+
+
+@pytest.mark.timeout(900)
+def test_kill_and_resume_is_exact(killed_and_resumed, tmp_path, tiny_hf_dir, trajectories_file):
+    root = killed_and_resumed["root"]
+    code, result = killed_and_resumed["code"], killed_and_resumed["result"]
     assert code == 0 and result["step"] == 6
 
-    a, b = tmp_path / "straight/checkpoints/iter_0000006", resumed_dir / "checkpoints/iter_0000006"
+    resumed_dir = root / "resumed"
+    a, b = root / "straight/checkpoints/iter_0000006", resumed_dir / "checkpoints/iter_0000006"
     assert (resumed_dir / "checkpoints/latest_checkpointed_iteration.txt").read_text().strip() == "6"
     for role in ("actor", "critic"):
         ta, tb = _tensors(a, role, tmp_path), _tensors(b, role, tmp_path)
         assert ta.keys() == tb.keys() and any(k.startswith("optimizer.") for k in ta)
         different = [k for k in ta if not torch.equal(ta[k], tb[k])]
         assert not different, f"{role}: {different[:5]}"
-    rows_a, rows_b = _metrics(tmp_path / "straight"), _metrics(resumed_dir)
+    rows_a, rows_b = _metrics(root / "straight"), _metrics(resumed_dir)
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]
     assert [_numeric(r) for r in rows_a[3:]] == [_numeric(r) for r in rows_b[3:]]
     assert (resumed_dir / "config.before_step_0000003.yaml").is_file()  # run.total_steps changed
 
-    # Resume the step-3 checkpoint into another layout (EP2 -> DP2): same result within 1e-6.
-    other = _config(tmp_path, tiny_hf_dir, trajectories_file, "relayout", "run.total_steps=6", "parallelism.expert=1",
-                    f"checkpoint.resume={resumed_dir / 'checkpoints/iter_0000003'}")
+    # A complete run is not trained again.
+    code, result, _ = run_train(_config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=6"))
+    assert code == 0 and result["step"] == 6
+
+
+@pytest.mark.slow  # one more run; resharding on load stays in the default suite (tests/training/test_checkpoint.py)
+@pytest.mark.timeout(900)
+def test_resume_into_another_layout_matches(killed_and_resumed, tmp_path, tiny_hf_dir, trajectories_file):
+    """The step-3 checkpoint of the resumed run, resumed into another layout (EP2 -> DP2): the same
+    result as the run that never stopped, within 1e-6."""
+    root = killed_and_resumed["root"]
+    other = _config(root, tiny_hf_dir, trajectories_file, "relayout", "run.total_steps=6", "parallelism.expert=1",
+                    f"checkpoint.resume={root / 'resumed/checkpoints/iter_0000003'}")
     assert run_train(other)[0] == 0
-    c = tmp_path / "relayout/checkpoints/iter_0000006"
+    a, c = root / "straight/checkpoints/iter_0000006", root / "relayout/checkpoints/iter_0000006"
     for role in ("actor", "critic"):
         ta, tc = _tensors(a, role, tmp_path), _tensors(c, role, tmp_path)
         assert ta.keys() == tc.keys()
         worst = max(float((ta[k].double() - tc[k].double()).abs().max()) for k in ta if ta[k].numel())
         assert worst <= 1e-6, f"{role}: {worst}"
-
-    # A complete run is not trained again.
-    code, result, _ = run_train(_config(tmp_path, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=6"))
-    assert code == 0 and result["step"] == 6
 
 
 def test_run_directory_is_never_mixed(tmp_path, tiny_hf_dir, trajectories_file):
@@ -133,6 +148,7 @@ def test_sft_checkpoint_starts_rl(tmp_path, tiny_hf_dir, trajectories_file):
     assert any(not torch.equal(fresh[k], loaded[k]) for k in model_keys)
 
 
+@pytest.mark.slow  # ~100 s, a second exact-resume variant: test_kill_and_resume_is_exact is the default suite's
 @pytest.mark.timeout(900)
 def test_checkpoint_during_critic_warmup_resumes_exactly(tmp_path, tiny_hf_dir, trajectories_file):
     """The actor's optimizer has never stepped when a checkpoint is taken in critic warmup."""
