@@ -23,6 +23,9 @@ def _common(tmp_path: Path) -> list[str]:
             "critic.warmup_steps=0", "logging.wandb_mode=disabled", "logging.param_table=false"]
 
 
+# Slow (~55 s). The default suite keeps the launch flow through test_slurm_jobs.py's failing job (Ray
+# across the nodes, the driver's exit code) and `sao train` on the tiny recipe through test_cli.py.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_local_launch_trains_the_tiny_recipe(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "local", RECIPE, *_common(tmp_path)]) == 0

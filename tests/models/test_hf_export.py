@@ -1,7 +1,7 @@
 """The Megatron -> HF stream of live trainer chunks (models/hf_export.py): before training it
 reproduces the HF checkpoint bit for bit, after real optimizer steps it equals what
 `sao convert mcore-to-hf` writes from the trainer's checkpoint (actor and critic), on 1 rank and
-on 2 gloo ranks (EP2; TP2 slow), and buckets respect their byte budget on rank 0 only."""
+on 2 gloo ranks (EP2; TP2 and 1 rank slow), and buckets respect their byte budget on rank 0 only."""
 
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ def _check(result: dict[str, Any], hf_dir: Path, world: int) -> None:
     _assert_identical(result["critic_after"], result["converted"]["critic"], "critic after a step vs conversion")
 
 
+@pytest.mark.slow  # the EP2 stream below is the default suite's (the same export, gathered across ranks)
 @pytest.mark.timeout(600)
 def test_single_rank_stream_matches_checkpoint_then_conversion(tiny_hf_dir, tmp_path):
     (result,) = run_distributed(export_step_convert, 1, str(tiny_hf_dir), [], str(tmp_path))

@@ -21,8 +21,10 @@ def single(tiny_hf_dir):
     return run_distributed(run_layout, 1, str(tiny_hf_dir), [])[0]
 
 
+# EP2 is slow here: tests/training/test_trainer_layouts.py checks a whole step in EP2 in the default suite.
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.slow) if layout == "ep2" else layout
+                                    for layout in sorted(LAYOUTS)])
 def test_layout_matches_single_process(tiny_hf_dir, single, layout):
     ranks = run_distributed(run_layout, 2, str(tiny_hf_dir), LAYOUTS[layout])
     for rank, res in enumerate(ranks):
@@ -46,6 +48,7 @@ def test_single_process_trains_and_freezes(single):
     assert single["logits"].shape == (2, 16, 320) and single["values"].shape == (2, 16)
 
 
+@pytest.mark.slow  # freezing in one process: test_single_process_trains_and_freezes (default suite)
 @pytest.mark.timeout(600)
 def test_freezing_holds_under_tensor_parallel(tiny_hf_dir):
     ranks = run_distributed(run_layout, 2, str(tiny_hf_dir),

@@ -80,6 +80,9 @@ class SlowEnv(ScriptedEnv):
         return await super().step(action_text)
 
 
+# slow (~25 s): tests/pipeline/test_engine_faults.py::test_killed_engine_loses_nothing kills an engine mid-run
+# in the default suite (restart, re-sent calls, nothing lost, weights re-synced).
+@pytest.mark.slow
 def test_crashed_engine_is_restarted_and_its_trajectories_requeued(tmp_path):
     config = EngineConfig(model_path=str(stoppy_checkpoint()), num_engines=2, log_dir=str(tmp_path), max_restarts=2)
     tokenizer = AutoTokenizer.from_pretrained(stoppy_checkpoint())

@@ -29,7 +29,8 @@ def test_k_critic_updates_warmup_and_frozen_attention(tiny_hf_dir):
     assert all(m["critic/grad_norm/attention"] == 0.0 for m in history)
 
 
-@pytest.mark.parametrize("role", ["actor", "critic"])
+# The critic variant (NaN values, hence NaN advantages: the whole step skipped) is slow.
+@pytest.mark.parametrize("role", ["actor", pytest.param("critic", marks=pytest.mark.slow)])
 def test_nan_on_one_rank_skips_the_step_everywhere(tiny_hf_dir, role):
     ranks = run_distributed(trainer_worker.inject_nan, 2, str(tiny_hf_dir), role, 1)
     for r in ranks:  # every rank: nothing of the poisoned role changed, not even optimizer state
@@ -69,6 +70,7 @@ def test_sft_lowers_its_loss(tiny_hf_dir):
     assert losses[-1] < losses[0] - 0.05, losses
 
 
+@pytest.mark.slow  # the default suite trains in critic-only mode through tests/valuepretrain/test_train.py
 def test_critic_only_mode_for_value_pretraining(tiny_hf_dir):
     r = run_distributed(trainer_worker.critic_only_steps, 1, str(tiny_hf_dir))[0]
     assert r["roles"] == ["critic"] and not r["has_actor"]
