@@ -1,6 +1,6 @@
 """Session fixtures: tiny checkpoints of every family, converted on 2 gloo ranks: what the default
-run checks in one job (`conversions`), the rest of the family x layout matrix and the other families'
-critic chains in a second one (`more_conversions`) that only `slow` tests ask for."""
+run checks in one job (`conversions`), the rest of the family x layout matrix in a second one
+(`more_conversions`) that only `slow` tests ask for."""
 
 from __future__ import annotations
 
@@ -31,19 +31,20 @@ DEFAULT_FAMILIES = {
 }
 
 
-# What the default run converts. Qwen3-MoE (the main family): TP1 -> PP2 and TP2 -> EP2, its critic
-# chain (TP2 import, PP2 export, EP2 import, TP1 export) and the training-load checks: imports in
+# What the default run converts. Every family's critic chain (TP2 import, PP2 export, EP2 import,
+# TP1 export). Qwen3-MoE (the main family): TP1 -> PP2 and TP2 -> EP2 and the training-load checks: imports in
 # TP1, TP2 and EP2 and exports in TP1, PP2 and EP2 (test_layouts.py imports in PP2 x VPP2). Every
 # other family: TP2 -> EP2 (the manifest test reads each family's TP2 import) and verify;
 # DeepSeek-V3 also TP1 -> PP2 (its MTP tensor and Transformer Engine names are read from the TP1
-# import). The family x layout pairs and critic chains left out: `more_conversions` (slow).
+# import). The family x layout pairs left out: `more_conversions` (slow).
 DEFAULT_RUN_LAYOUTS = {
     "qwen3_moe": ROUND_TRIP_LAYOUTS[:2],
     "glm4_moe": ROUND_TRIP_LAYOUTS[1:2],
     "deepseek_v3": ROUND_TRIP_LAYOUTS[:2],
     "glm_moe_dsa": ROUND_TRIP_LAYOUTS[1:2],
 }
-DEFAULT_RUN_CRITICS = {"qwen3_moe"}
+# Issue 14 asks for the critic round trip of every family in the default suite.
+DEFAULT_RUN_CRITICS = set(DEFAULT_FAMILIES)
 
 
 def conversion_param(family: str, layout: str | None = None):
@@ -70,8 +71,8 @@ def family_checkpoints(tiny_root: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The default run's conversions (DEFAULT_RUN_LAYOUTS, the critic chain and training-load checks on
-    Qwen3-MoE), 2 ranks."""
+    """The default run's conversions (DEFAULT_RUN_LAYOUTS, every family's critic chain, the
+    training-load checks on Qwen3-MoE), 2 ranks."""
     work = tmp_path_factory.mktemp("conversions")
     cases = [
         FamilyCase(name=family, hf_dir=path, work=work / family, layouts=DEFAULT_RUN_LAYOUTS[family],
@@ -85,8 +86,7 @@ def conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.Te
 
 @pytest.fixture(scope="session")
 def more_conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Slow: every family through the round-trip pairs the default run leaves out, and the critic chain
-    of every family but Qwen3-MoE, 2 ranks."""
+    """Slow: every family through the round-trip pairs the default run leaves out, 2 ranks."""
     work = tmp_path_factory.mktemp("more_conversions")
     cases = [
         FamilyCase(name=family, hf_dir=path, work=work / family, verify_layouts=[],
