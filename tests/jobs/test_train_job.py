@@ -128,6 +128,8 @@ def test_engine_source_needs_a_prompt_file(tmp_path, tiny_hf_dir, trajectories_f
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # ~60-80 s; SFT steps: tests/training/test_trainer_steps.py, a role loaded from a run's
+# checkpoint (run, iteration, role, converted): tests/training/test_checkpoint.py (both in the default suite)
 def test_sft_checkpoint_starts_rl(tmp_path, tiny_hf_dir, trajectories_file):
     from megatron_sao.platform import run_distributed
     from tests.jobs import load_worker
