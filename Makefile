@@ -41,7 +41,7 @@ online: setup
 
 # Default test suite (CPU; GPU tests skip; slow tests excluded). Exits non-zero on any failure.
 test: setup
-	$(PYTEST) -q -m "not slow" --timeout=900 tests
+	$(PYTEST) -q -m "not slow" --timeout=900 --durations=30 tests
 
 # Longer tests (run separately).
 test-slow: setup
