@@ -30,7 +30,7 @@ def _config(tmp_path: Path, hf_dir: Path, trajectories: Path, name: str, *overri
         "launcher.nproc_per_node=2", "parallelism.expert=2", "logging.param_table=false",
         "logging.wandb_mode=disabled", "rollout.source=recorded", f"data.trajectories_path={trajectories}",
         "data.batch_size=6", "critic.warmup_steps=1", "actor.optim.lr=1e-4", "critic.optim.lr=1e-4",
-        "checkpoint.save_every=3", "checkpoint.keep_last=10", *overrides])
+        "checkpoint.save_every=2", "checkpoint.keep_last=10", *overrides])
 
 
 def _tensors(iter_dir: Path, role: str, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -47,17 +47,18 @@ def _numeric(row: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory, tiny_hf_dir, trajectories_file) -> dict:
-    """6 steps straight; and 3 steps, "killed" (steps 4-5 left in its metrics), resumed to 6 (EP2)."""
+    """4 steps straight; and 2 steps, "killed" (steps 3-4 left in its metrics), resumed to 4 (EP2).
+    Step 1 is critic warmup, so the checkpoint at 2 holds both roles' stepped optimizers."""
     root = tmp_path_factory.mktemp("kill_and_resume")
-    straight = _config(root, tiny_hf_dir, trajectories_file, "straight", "run.total_steps=6")
+    straight = _config(root, tiny_hf_dir, trajectories_file, "straight", "run.total_steps=4")
     assert run_train(straight)[0] == 0
-    first = _config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=3")
+    first = _config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=2")
     assert run_train(first)[0] == 0
-    # The "killed" run left steps 4-5 in its metrics (logged after its last checkpoint): resuming
+    # The "killed" run left steps 3-4 in its metrics (logged after its last checkpoint): resuming
     # must drop them, not duplicate them.
     with (root / "resumed" / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps({"step": 4, "actor/loss": 123.0}) + "\n" + '{"step": 5, "actor/lo')
-    code, result, _ = run_train(_config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=6"))
+        f.write(json.dumps({"step": 3, "actor/loss": 123.0}) + "\n" + '{"step": 4, "actor/lo')
+    code, result, _ = run_train(_config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=4"))
     return {"root": root, "code": code, "result": result}
 
 
@@ -65,36 +66,37 @@ def killed_and_resumed(tmp_path_factory, tiny_hf_dir, trajectories_file) -> dict
 def test_kill_and_resume_is_exact(killed_and_resumed, tmp_path, tiny_hf_dir, trajectories_file):
     root = killed_and_resumed["root"]
     code, result = killed_and_resumed["code"], killed_and_resumed["result"]
-    assert code == 0 and result["step"] == 6
+    assert code == 0 and result["step"] == 4
 
     resumed_dir = root / "resumed"
-    a, b = root / "straight/checkpoints/iter_0000006", resumed_dir / "checkpoints/iter_0000006"
-    assert (resumed_dir / "checkpoints/latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    a, b = root / "straight/checkpoints/iter_0000004", resumed_dir / "checkpoints/iter_0000004"
+    assert (resumed_dir / "checkpoints/latest_checkpointed_iteration.txt").read_text().strip() == "4"
     for role in ("actor", "critic"):
         ta, tb = _tensors(a, role, tmp_path), _tensors(b, role, tmp_path)
         assert ta.keys() == tb.keys() and any(k.startswith("optimizer.") for k in ta)
         different = [k for k in ta if not torch.equal(ta[k], tb[k])]
         assert not different, f"{role}: {different[:5]}"
     rows_a, rows_b = _metrics(root / "straight"), _metrics(resumed_dir)
-    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]
-    assert [_numeric(r) for r in rows_a[3:]] == [_numeric(r) for r in rows_b[3:]]
-    assert (resumed_dir / "config.before_step_0000003.yaml").is_file()  # run.total_steps changed
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    assert [_numeric(r) for r in rows_a[2:]] == [_numeric(r) for r in rows_b[2:]]
+    assert "actor/loss" in rows_b[2]  # the resumed steps update the actor too (past critic warmup)
+    assert (resumed_dir / "config.before_step_0000002.yaml").is_file()  # run.total_steps changed
 
     # A complete run is not trained again.
-    code, result, _ = run_train(_config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=6"))
-    assert code == 0 and result["step"] == 6
+    code, result, _ = run_train(_config(root, tiny_hf_dir, trajectories_file, "resumed", "run.total_steps=4"))
+    assert code == 0 and result["step"] == 4
 
 
 @pytest.mark.slow  # one more run; resharding on load stays in the default suite (tests/training/test_checkpoint.py)
 @pytest.mark.timeout(900)
 def test_resume_into_another_layout_matches(killed_and_resumed, tmp_path, tiny_hf_dir, trajectories_file):
-    """The step-3 checkpoint of the resumed run, resumed into another layout (EP2 -> DP2): the same
+    """The step-2 checkpoint of the resumed run, resumed into another layout (EP2 -> DP2): the same
     result as the run that never stopped, within 1e-6."""
     root = killed_and_resumed["root"]
-    other = _config(root, tiny_hf_dir, trajectories_file, "relayout", "run.total_steps=6", "parallelism.expert=1",
-                    f"checkpoint.resume={root / 'resumed/checkpoints/iter_0000003'}")
+    other = _config(root, tiny_hf_dir, trajectories_file, "relayout", "run.total_steps=4", "parallelism.expert=1",
+                    f"checkpoint.resume={root / 'resumed/checkpoints/iter_0000002'}")
     assert run_train(other)[0] == 0
-    a, c = root / "straight/checkpoints/iter_0000006", root / "relayout/checkpoints/iter_0000006"
+    a, c = root / "straight/checkpoints/iter_0000004", root / "relayout/checkpoints/iter_0000004"
     for role in ("actor", "critic"):
         ta, tc = _tensors(a, role, tmp_path), _tensors(c, role, tmp_path)
         assert ta.keys() == tc.keys()
