@@ -17,42 +17,44 @@ from tests.valuepretrain.helpers import metrics_rows, numeric, pretrain_config
 
 @pytest.fixture(scope="module")
 def runs(generated, tmp_path_factory):
-    """6 steps straight, and 3 steps then a resumed run to 6, on the generated corpus."""
+    """4 steps straight, and 2 steps then a resumed run to 4, on the generated corpus (batches of 6:
+    the epoch ends at step 4, after the resume point; held-out evaluation and checkpoints every 2)."""
     config, result = generated
     root = tmp_path_factory.mktemp("pretrain")
     hf_dir, corpus = config.model.hf_path, result.corpus_dir
-    straight = run_pretrain(pretrain_config(root, hf_dir, corpus, "straight", "run.total_steps=6"))
-    first = run_pretrain(pretrain_config(root, hf_dir, corpus, "resumed", "run.total_steps=3"))
-    resumed = run_pretrain(pretrain_config(root, hf_dir, corpus, "resumed", "run.total_steps=6"))
+    every = ["data.batch_size=6", "value_pretrain.eval_every=2", "checkpoint.save_every=2"]
+    straight = run_pretrain(pretrain_config(root, hf_dir, corpus, "straight", "run.total_steps=4", *every))
+    first = run_pretrain(pretrain_config(root, hf_dir, corpus, "resumed", "run.total_steps=2", *every))
+    resumed = run_pretrain(pretrain_config(root, hf_dir, corpus, "resumed", "run.total_steps=4", *every))
     return {"root": root, "hf_dir": hf_dir, "straight": straight, "first": first, "resumed": resumed}
 
 
 def test_resume_mid_epoch_is_bit_identical(runs):
     root = runs["root"]
     assert [runs[k][0] for k in ("straight", "first", "resumed")] == [0, 0, 0]
-    assert runs["resumed"][1]["step"] == 6
-    state = json.loads((root / "resumed/checkpoints/iter_0000003/trainer_state.json").read_text())
+    assert runs["resumed"][1]["step"] == 4
+    state = json.loads((root / "resumed/checkpoints/iter_0000002/trainer_state.json").read_text())
     assert state["data"]["dp_size"] == 2 and len(state["data"]["ranks"]) == 2
     assert any(rank["row"] or rank["unit"] for rank in state["data"]["ranks"])
     assert all(rank["epoch"] == 0 for rank in state["data"]["ranks"])  # mid-epoch
-    a = checkpoint_tensors(root / "straight/checkpoints/iter_0000006/critic", root)
-    b = checkpoint_tensors(root / "resumed/checkpoints/iter_0000006/critic", root)
+    a = checkpoint_tensors(root / "straight/checkpoints/iter_0000004/critic", root)
+    b = checkpoint_tensors(root / "resumed/checkpoints/iter_0000004/critic", root)
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, different[:5]
     rows_a, rows_b = metrics_rows(root / "straight"), metrics_rows(root / "resumed")
-    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]
-    assert [numeric(r) for r in rows_a[3:]] == [numeric(r) for r in rows_b[3:]]
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    assert [numeric(r) for r in rows_a[2:]] == [numeric(r) for r in rows_b[2:]]
     assert rows_a[-1]["data/epoch"] >= 1.0  # an epoch boundary lies after the resume point
 
 
 def test_heldout_evaluation_is_written(runs):
     run_dir = runs["root"] / "straight"
     calibration = json.loads((run_dir / "calibration.json").read_text())
-    assert calibration["step"] == 6 and sum(b["count"] for b in calibration["bins"]) == calibration["action_tokens"]
-    assert (run_dir / "calibration/step_0000003.json").is_file() and (run_dir / "calibration.png").stat().st_size
-    row = metrics_rows(run_dir)[2]
-    assert row["step"] == 3 and "eval/value_mse" in row and row["eval/explained_variance_defined"] in (0.0, 1.0)
+    assert calibration["step"] == 4 and sum(b["count"] for b in calibration["bins"]) == calibration["action_tokens"]
+    assert (run_dir / "calibration/step_0000002.json").is_file() and (run_dir / "calibration.png").stat().st_size
+    row = metrics_rows(run_dir)[1]
+    assert row["step"] == 2 and "eval/value_mse" in row and row["eval/explained_variance_defined"] in (0.0, 1.0)
     report = json.loads((run_dir / "data_report.json").read_text())
     assert report["bad_shards"] == [] and len(report["train_ranks"]) == 2
 
@@ -61,7 +63,7 @@ def test_heldout_evaluation_is_written(runs):
 def handoff(runs) -> dict:
     """The pretrained critic's values restored in its own layout (DP2), and an RL trainer's whose critic
     starts from it through `critic.load`."""
-    iter_dir = str(runs["root"] / "straight/checkpoints/iter_0000006")
+    iter_dir = str(runs["root"] / "straight/checkpoints/iter_0000004")
     hf_dir = str(runs["hf_dir"])
     same = run_distributed(handoff_worker.values_before_and_after, 2, hf_dir, [], iter_dir)[0]
     return {"iter_dir": iter_dir, "hf_dir": hf_dir, "same": same}
