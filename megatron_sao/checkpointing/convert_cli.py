@@ -63,7 +63,8 @@ def _add_log_flag(parser: argparse.ArgumentParser) -> None:
 
 def _add_checksum_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
-                        help="check every file's SHA-256 against the manifest before loading (default: on; "
+                        help="check every file's digest (xxh3-128; SHA-256 in v1 manifests) against the manifest "
+                             "before loading (default: on; "
                              "--no-verify-checksums skips this extra read of the checkpoint)")
 
 

@@ -8,8 +8,9 @@
 
 The manifest is what makes `mcore-to-hf` need nothing else: the HF tensor table (names, shapes,
 dtypes) is the exact output of the export, the Megatron tensor table documents the checkpoint,
-and per-file sizes and SHA-256 sums (with one checksum over them all) let a reader tell a
-complete checkpoint from a partial copy before loading anything.
+and per-file sizes and digests (with one checksum over them all) let a reader tell a complete
+checkpoint from a partial copy before loading anything. Format v2 records xxh3-128 digests
+(`digest.py` says why); v1 (SHA-256) manifests are still read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT = "sao-mcore-v1"
+from megatron_sao.checkpointing.digest import DEFAULT as DEFAULT_DIGEST
+from megatron_sao.checkpointing.digest import digest_file
+
+FORMAT = "sao-mcore-v2"
+_READABLE = {"sao-mcore-v1": "sha256", FORMAT: None}
+"""format -> the digest its manifests use when they do not name one (None: they name it)."""
 MANIFEST_FILE = "sao_manifest.json"
 HF_DIR = "hf"
 PASSTHROUGH_DIR = "hf_passthrough"
@@ -51,27 +57,24 @@ class Manifest:
     mcore_tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     """dist-checkpoint key -> {dtype, shape} (global shapes)."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """relative path -> {bytes, sha256} of every file but the manifest."""
+    """relative path -> {bytes, <digest>: hex} of every file but the manifest."""
     checksum: str = ""
-    """SHA-256 over the sorted `path sha256` lines of `files`."""
+    """SHA-256 over the sorted `path <digest hex>` lines of `files`."""
+    digest: str = DEFAULT_DIGEST
+    """The files' digest algorithm (`digest.ALGORITHMS`), also the key of each file's entry."""
     versions: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
 def sha256_file(path: Path, chunk_bytes: int = 4 * 1024 * 1024) -> str:
-    digest = hashlib.sha256()
-    buffer = bytearray(chunk_bytes)  # one buffer, reused: no allocation per block
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
+    return digest_file(path, "sha256", chunk_bytes)
 
 
-def hash_tree(root: Path, known: dict[str, tuple[int, str]] | None = None) -> dict[str, dict[str, Any]]:
-    """{relative path: {bytes, sha256}} of every file under `root` except the manifest. `known`
-    holds (bytes, sha256) of files hashed while they were written; they are not read again."""
+def hash_tree(root: Path, known: dict[str, tuple[int, str]] | None = None,
+              algorithm: str = DEFAULT_DIGEST) -> dict[str, dict[str, Any]]:
+    """{relative path: {bytes, <algorithm>: hex}} of every file under `root` except the manifest.
+    `known` holds (bytes, digest) of files hashed while they were written; they are not read again."""
     known = known or {}
     table = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
@@ -79,14 +82,15 @@ def hash_tree(root: Path, known: dict[str, tuple[int, str]] | None = None) -> di
         size = path.stat().st_size
         if name in known:
             assert known[name][0] == size, (name, known[name], size)
-            table[name] = {"bytes": size, "sha256": known[name][1]}
+            table[name] = {"bytes": size, algorithm: known[name][1]}
         else:
-            table[name] = {"bytes": size, "sha256": sha256_file(path)}
+            table[name] = {"bytes": size, algorithm: digest_file(path, algorithm)}
     return table
 
 
-def tree_checksum(files: dict[str, dict[str, Any]]) -> str:
-    lines = "".join(f"{name} {meta['sha256']}\n" for name, meta in sorted(files.items()))
+def tree_checksum(files: dict[str, dict[str, Any]], algorithm: str = "sha256") -> str:
+    """SHA-256 over the sorted `path <digest>` lines (`algorithm` names the entries' digest)."""
+    lines = "".join(f"{name} {meta[algorithm]}\n" for name, meta in sorted(files.items()))
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
@@ -105,8 +109,8 @@ def library_versions() -> dict[str, str]:
 def write_manifest(directory: Path, manifest: Manifest, known: dict[str, tuple[int, str]] | None = None) -> None:
     """Hash the directory's files (those not in `known`, see `hash_tree`) into the manifest and
     write it (the checkpoint's last file)."""
-    manifest.files = hash_tree(directory, known)
-    manifest.checksum = tree_checksum(manifest.files)
+    manifest.files = hash_tree(directory, known, manifest.digest)
+    manifest.checksum = tree_checksum(manifest.files, manifest.digest)
     (directory / MANIFEST_FILE).write_text(json.dumps(asdict(manifest), indent=1) + "\n")
 
 
@@ -124,9 +128,21 @@ def read_manifest(directory: Path) -> Manifest:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: corrupt manifest ({e})") from e
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path}: manifest format {data.get('format')!r}, this version reads {FORMAT!r}")
-    return Manifest(**data)
+    if data.get("format") not in _READABLE:
+        raise ValueError(f"{path}: manifest format {data.get('format')!r}, this version reads "
+                         f"{' and '.join(map(repr, _READABLE))}")
+    default_digest = _READABLE[data["format"]]
+    if default_digest is not None:
+        data.setdefault("digest", default_digest)
+    try:
+        manifest = Manifest(**data)
+    except TypeError as e:
+        raise ValueError(f"{path}: corrupt manifest ({e})") from e
+    bad = [name for name, meta in manifest.files.items() if manifest.digest not in meta or "bytes" not in meta]
+    if bad:
+        raise ValueError(f"{path}: corrupt manifest: the entry of {bad[0]!r} lacks its bytes or "
+                         f"{manifest.digest} digest")
+    return manifest
 
 
 def check_dist_checkpoint_files(directory: Path) -> None:
@@ -138,7 +154,7 @@ def check_dist_checkpoint_files(directory: Path) -> None:
 
 
 def check_files(directory: Path, manifest: Manifest, verify_hashes: bool) -> None:
-    """Every file the manifest lists is present with its size (and SHA-256 when `verify_hashes`)."""
+    """Every file the manifest lists is present with its size (and digest when `verify_hashes`)."""
     check_dist_checkpoint_files(directory)
     for name, meta in sorted(manifest.files.items()):
         path = directory / name
@@ -154,9 +170,10 @@ def check_files(directory: Path, manifest: Manifest, verify_hashes: bool) -> Non
 
 
 def checksum_errors(directory: Path, manifest: Manifest, names: list[str]) -> list[str]:
-    """One line per file of `names` whose SHA-256 differs from the manifest's."""
+    """One line per file of `names` whose digest differs from the manifest's."""
     return [f"{directory / name}: checksum mismatch (file changed or corrupt since conversion)"
-            for name in names if sha256_file(directory / name) != manifest.files[name]["sha256"]]
+            for name in names
+            if digest_file(directory / name, manifest.digest) != manifest.files[name][manifest.digest]]
 
 
 def checksum_share(manifest: Manifest, rank: int, world_size: int) -> list[str]:

@@ -5,17 +5,19 @@ alone, the kernel flushes them only under memory pressure or at the final fsync,
 while the conversion computes and then the whole write is paid for at the end. `HashingFile`
 calls `sync_file_range(SYNC_FILE_RANGE_WRITE)` on each range once it is complete (Linux; a no-op
 elsewhere), which queues it for writing without waiting: the disk writes while the next bytes are
-produced. It also feeds every byte to SHA-256, so the manifest's checksums cost no second read.
+produced. It also feeds every byte to the manifest's digest, so its checksums cost no second read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
+
+from megatron_sao.checkpointing.digest import DEFAULT as DEFAULT_DIGEST
+from megatron_sao.checkpointing.digest import new_hasher
 
 _SYNC_FILE_RANGE_WRITE = 2
 DEFAULT_IO_BUCKET_BYTES = 256 * 2**20
@@ -46,15 +48,15 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 class HashingFile:
-    """A new binary file, written sequentially: SHA-256 of its bytes, write-back started per `kick`."""
+    """A new binary file, written sequentially: the digest of its bytes, write-back started per `kick`."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, digest: str = DEFAULT_DIGEST) -> None:
         self._file = open(path, "wb")  # noqa: SIM115 - closed by finish / close
-        self._sha = hashlib.sha256()
+        self._digest = new_hasher(digest)
         self._queued = 0
 
     def write(self, data: Any) -> int:
-        self._sha.update(data)
+        self._digest.update(data)
         return self._file.write(data)
 
     def tell(self) -> int:
@@ -74,12 +76,12 @@ class HashingFile:
         self._queued = end
 
     def finish(self) -> tuple[int, str]:
-        """Flush, fsync and close; returns (bytes, sha256 hex)."""
+        """Flush, fsync and close; returns (bytes, digest hex)."""
         self._file.flush()
         size = self._file.tell()
         os.fsync(self._file.fileno())
         self._file.close()
-        return size, self._sha.hexdigest()
+        return size, self._digest.hexdigest()
 
     def close(self) -> None:
         self._file.close()

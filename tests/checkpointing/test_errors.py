@@ -7,6 +7,7 @@ run the real CLI in a subprocess.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -20,9 +21,10 @@ import pytest
 import torch
 
 from megatron_sao.checkpointing import critic_format as cf
+from megatron_sao.checkpointing.digest import digest_file
 from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint
 from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, plan_hf_to_mcore
-from megatron_sao.checkpointing.manifest import read_manifest
+from megatron_sao.checkpointing.manifest import check_files, read_manifest
 from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf, plan_mcore_to_hf
 from megatron_sao.checkpointing.output_dir import TMP_MARKER, disk_full_as_value_error
 from megatron_sao.platform import RankFailed, run_distributed
@@ -216,6 +218,51 @@ def test_corrupt_mcore_file_fails_the_checksum(mcore, tmp_path):
     with pytest.raises(RankFailed, match=r"__0_0\.distcp: checksum mismatch"):  # issue 14: a flipped bit was exported
         run_distributed(convert_mcore_to_hf, 1, request, timeout_s=600)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mcore"]  # nothing written, nothing left behind
+
+
+def test_manifest_records_xxh3_digests_of_every_file(mcore):
+    manifest = read_manifest(mcore)
+    assert manifest.format == "sao-mcore-v2" and manifest.digest == "xxh3_128"
+    assert set(manifest.files) == {str(p.relative_to(mcore)) for p in mcore.rglob("*")
+                                   if p.is_file() and p.name != "sao_manifest.json"}
+    for name, meta in manifest.files.items():  # the .distcp digests were computed while writing
+        assert meta["xxh3_128"] == digest_file(mcore / name, "xxh3_128"), name
+    check_files(mcore, manifest, verify_hashes=True)
+
+
+def _as_v1_manifest(mcore_dir: Path) -> None:
+    """Rewrite the manifest the way sao-mcore-v1 wrote it: SHA-256 entries, no `digest` field."""
+    path = mcore_dir / "sao_manifest.json"
+    data = json.loads(path.read_text())
+    data.pop("digest")
+    data["format"] = "sao-mcore-v1"
+    data["files"] = {name: {"bytes": meta["bytes"],
+                            "sha256": hashlib.sha256((mcore_dir / name).read_bytes()).hexdigest()}
+                     for name, meta in data["files"].items()}
+    path.write_text(json.dumps(data))
+
+
+def test_v1_manifest_is_still_read_and_its_sha256_checked(mcore):
+    _as_v1_manifest(mcore)
+    manifest = read_manifest(mcore)
+    assert manifest.digest == "sha256"
+    check_files(mcore, manifest, verify_hashes=True)
+    path = mcore / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"__0_0\.distcp: checksum mismatch"):
+        check_files(mcore, manifest, verify_hashes=True)
+
+
+def test_manifest_entry_without_its_digest_is_named(mcore):
+    path = mcore / "sao_manifest.json"
+    data = json.loads(path.read_text())
+    del data["files"]["metadata.json"]["xxh3_128"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"corrupt manifest: the entry of 'metadata\.json' lacks its bytes or "
+                                         r"xxh3_128 digest"):
+        read_manifest(mcore)
 
 
 def _cli(*args: str, **kw) -> subprocess.Popen:

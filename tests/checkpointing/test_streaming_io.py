@@ -126,7 +126,7 @@ def test_byte_budget_holds_at_most_its_capacity_and_serves_larger_requests_alone
 def test_checksum_shares_cover_every_file_once_and_balance_bytes():
     sizes = {f"__{r}_{i}.distcp": (r + 1) * 1000 + i for r in range(3) for i in range(2)} | {"metadata.json": 10}
     manifest = Manifest(role="actor", architecture="x", params_dtype="bfloat16", source="s", source_format="causal_lm",
-                        layout={}, hf_tensors={}, files={n: {"bytes": b, "sha256": ""} for n, b in sizes.items()})
+                        layout={}, hf_tensors={}, files={n: {"bytes": b, "xxh3_128": ""} for n, b in sizes.items()})
     shares = [checksum_share(manifest, r, 3) for r in range(3)]
     assert sorted(n for share in shares for n in share) == sorted(sizes)
     loads = [sum(sizes[n] for n in share) for share in shares]
@@ -135,7 +135,7 @@ def test_checksum_shares_cover_every_file_once_and_balance_bytes():
 
 
 def test_hashing_file_hashes_what_it_writes(tmp_path):
-    import hashlib
+    import xxhash
 
     stream = HashingFile(tmp_path / "f")
     stream.write(b"abc" * 1000)
@@ -143,4 +143,4 @@ def test_hashing_file_hashes_what_it_writes(tmp_path):
     stream.write(memoryview(b"xyz" * 7))
     size, digest = stream.finish()
     data = (tmp_path / "f").read_bytes()
-    assert size == len(data) == 3021 and digest == hashlib.sha256(data).hexdigest()
+    assert size == len(data) == 3021 and digest == xxhash.xxh3_128(data).hexdigest()
