@@ -11,9 +11,10 @@ mapping asks for is silently left out. Those are the failure modes public conver
 - no HF tensor may land in a Megatron tensor of lower precision (e.g. an fp32 router bias in a
   bf16 model);
 and afterwards every element of every parameter and persistent buffer must have been written:
-each is filled with NaN just before the first task that writes it and checked for NaN right after
-the last one (`tensor.max()`, which propagates NaN, is 20x faster on CPU than `isnan().any()` and
-needs no mask the size of the tensor); a `FillTracker` is then told it may be saved.
+each is filled with NaN before the first task that writes it and checked for NaN after the last one
+(`tensor.max()`, which propagates NaN, is 20x faster on CPU than `isnan().any()` and needs no mask
+the size of the tensor), both on threads beside the task loop (`fill_schedule`); a `FillTracker` is
+then told it may be saved.
 
 HF tensors come from `hf_reader.PrefetchingSource`: read ahead, in the order of this rank's tasks,
 within the I/O bucket.
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from megatron_sao.checkpointing.fill_schedule import FillSchedule
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.hf_files import HFCheckpoint
 from megatron_sao.checkpointing.model_setup import unwrap
@@ -117,10 +119,6 @@ def _read_order(tasks: list[Any]) -> list[str]:
     return list(order)
 
 
-def _has_nan(tensor: torch.Tensor) -> bool:
-    return tensor.numel() > 0 and bool(torch.isnan(tensor.max()))
-
-
 def _keep_router_bias_fp32(chunks: list[torch.nn.Module]) -> None:
     # Megatron keeps MoE expert biases in fp32 (it re-casts them before loading a state dict);
     # a bf16 Float16Module holds them in bf16 until then, which would round the HF fp32 values.
@@ -128,54 +126,6 @@ def _keep_router_bias_fp32(chunks: list[torch.nn.Module]) -> None:
         for module in unwrap(chunk).modules():
             if hasattr(module, "_maintain_float32_expert_bias"):
                 module._maintain_float32_expert_bias()
-
-
-class _FillSchedule:
-    """NaN-fill each parameter just before the first task writing it (the first touch of its
-    memory then happens inside the conversion, not in one pass over the shard before it), and
-    check it and hand it to the tracker right after the last one (so the writer can write it
-    while the next ones convert). Tensors no task writes are filled up front and checked at the
-    end, with everything written after the task loop (tied embeddings)."""
-
-    def __init__(self, chunks: list[torch.nn.Module], spec: LoadSpec, tracker: FillTracker | None) -> None:
-        self.state = dict(float_state(chunks, spec.skip_megatron_prefixes))
-        self.tracker = tracker
-        self.remaining: dict[int, int] = {}
-        self.filled: set[int] = set()
-        self.checked: set[int] = set()
-        self.late = _written_after_tasks(chunks)
-
-    def plan(self, tasks: list[Any]) -> None:
-        for task in tasks:
-            if task.megatron_module is not None and task.param_weight is not None:
-                key = task.param_weight.data_ptr()
-                self.remaining[key] = self.remaining.get(key, 0) + 1
-        with torch.no_grad():
-            for tensor in self.state.values():
-                if tensor.data_ptr() not in self.remaining:
-                    tensor.fill_(float("nan"))
-
-    def run(self, tasks: list[Any]) -> Iterator[Any]:
-        for task in tasks:
-            target = task.param_weight if task.megatron_module is not None else None
-            key = target.data_ptr() if target is not None else None
-            if key is not None and key not in self.filled:
-                self.filled.add(key)
-                with torch.no_grad():
-                    target.fill_(float("nan"))
-            yield task  # the bridge converts and copies it before asking for the next one
-            if key is None:
-                continue
-            self.remaining[key] -= 1
-            if self.remaining[key] == 0 and self.tracker is not None and key not in self.late:
-                if _has_nan(target):
-                    continue  # reported by `unwritten` after the loop, with the parameter's name
-                self.checked.add(key)
-                self.tracker.mark(target)
-
-    def unwritten(self) -> list[str]:
-        return [name for name, tensor in self.state.items()
-                if tensor.data_ptr() not in self.checked and _has_nan(tensor)]
 
 
 def _written_after_tasks(chunks: list[torch.nn.Module]) -> set[int]:
@@ -200,7 +150,8 @@ def load_hf_weights(bridge: Any, chunks: list[torch.nn.Module], spec: LoadSpec,
     original_build = model_bridge.build_conversion_tasks
     source = PrefetchingSource(spec.checkpoint, spec.io_bucket_bytes, on_bytes=spec.on_bytes)
     _keep_router_bias_fp32(chunks)
-    schedule = _FillSchedule(chunks, spec, tracker)
+    schedule = FillSchedule(dict(float_state(chunks, spec.skip_megatron_prefixes)), _written_after_tasks(chunks),
+                            tracker)
 
     def build_conversion_tasks(hf_pretrained: Any, megatron_model: Any, weight_dtype: Any = None) -> list[Any]:
         tasks = original_build(hf_pretrained, megatron_model, weight_dtype=weight_dtype)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from megatron_sao.checkpointing.fill_schedule import FillSchedule
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.platform import run_distributed
 
@@ -122,3 +124,48 @@ def test_a_failing_fill_fails_the_save_and_stops_its_writers(tmp_path: Path):
     result = run_distributed(_overlapped_save, 1, str(tmp_path / "ckpt"), 2, timeout_s=300)[0]
     assert result["error"] == "tensor 2 cannot be converted"
     assert result["threads"] == []
+
+
+def _task(target: torch.Tensor | None) -> SimpleNamespace:
+    return SimpleNamespace(megatron_module=None if target is None else object(), param_weight=target)
+
+
+def test_fill_schedule_fills_before_the_first_task_and_marks_after_the_last():
+    a, b, buffer = torch.zeros(1000), torch.zeros(3, 5), torch.zeros(2)
+    tracker = FillTracker([a, b, buffer])
+    schedule = FillSchedule({"a": a, "b": b, "buffer": buffer}, late=set(), tracker=tracker)
+    tasks = [_task(a), _task(None), _task(b), _task(a)]  # a is written by two tasks (like a fused QKV)
+    writes = {id(a): [lambda: a[:500].fill_(1.0), lambda: a[500:].fill_(2.0)],
+              id(b): [lambda: b[:2].fill_(3.0)]}  # leaves b's last row unwritten
+    schedule.plan(tasks)
+    assert torch.isnan(buffer).all(), "a tensor no task writes is filled up front"
+    all_nan_at_first_task = {}
+    for task in schedule.run(tasks):
+        if task.param_weight is None:
+            continue
+        key = id(task.param_weight)
+        all_nan_at_first_task.setdefault(key, bool(torch.isnan(task.param_weight).all()))
+        writes[key].pop(0)()
+    assert all_nan_at_first_task == {id(a): True, id(b): True}
+    done: list[str] = []
+    _waiter(tracker, a, done).join(timeout=5)
+    assert done == ["ready"], "a is marked once its last task ran"
+    waiting: list[str] = []
+    thread = _waiter(tracker, b, waiting)
+    time.sleep(0.1)
+    assert waiting == [], "b still holds NaN: it must not be marked (the writer would save it)"
+    assert schedule.unwritten() == ["b", "buffer"]
+    tracker.finish()
+    thread.join(timeout=5)
+
+
+def test_fill_schedule_stops_its_threads_when_the_task_loop_fails():
+    a = torch.zeros(10)
+    schedule = FillSchedule({"a": a}, late=set(), tracker=FillTracker([a]))
+    schedule.plan([_task(a)])
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="bridge failed"):
+        for _ in schedule.run([_task(a)]):
+            raise ValueError("bridge failed")
+    time.sleep(0.05)
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("sao-nan-")]
