@@ -1,4 +1,4 @@
-"""torch_dist save and load with memory bounded by the rank's shard plus an I/O bucket.
+"""torch_dist save with memory bounded by the rank's shard plus an I/O bucket.
 
 Measured on Megatron-Core 0.19.2 (docs/conversion.md#memory-and-streaming):
 - Save. `FileSystemWriterAsync.prepare_write_data` clones every tensor that is a view of a larger
@@ -7,8 +7,6 @@ Measured on Megatron-Core 0.19.2 (docs/conversion.md#memory-and-streaming):
   the clones are ~2/3 of an MoE shard: peak 1.65x the shard. It also returns its results through
   a `multiprocessing.Manager` queue, a spawned process that re-imports the caller's `__main__`
   (seconds on a small host, on every save).
-- Load. The same factory `torch.cat`s the two loaded halves back into a new tensor for every
-  fc1, all held until the state dict is copied into the model: again ~2/3 of the shard extra.
 
 `BoundedSaveStrategy` runs Megatron's own save plan (MCoreSavePlanner, the same `__<rank>_<i>.distcp`
 files and metadata: any torch_dist reader reads the result) with `StreamingWriter`, whose threads
@@ -17,14 +15,11 @@ writing it and only while a shared byte budget (the I/O bucket) allows. Each thr
 as it writes (`writeback.HashingFile`) and starts its write-back item by item. Given a `fill`
 function and its `FillTracker`, the strategy plans the save (shapes only), starts the writers, and
 runs `fill` (a conversion's load) on the calling thread while they write: each writer waits for
-each item's tensor to be filled, and writes its items in fill order. `load_state` loads
-into the parameters' own storage: the halves are views of the parameter, so after loading the
-parameter already holds the result and the merge returns it instead of a concatenated copy.
+each item's tensor to be filled, and writes its items in fill order. The load side is `dist_reader`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import threading
@@ -35,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.filesystem_async import (
     FileSystemWriterAsync,
     _item_size,
@@ -47,20 +40,13 @@ from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
     save_state_dict_async_plan,
 )
 from megatron.core.dist_checkpointing.strategies.torch import (
-    MCoreLoadPlanner,
     MCoreSavePlanner,
-    TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
-    _replace_sharded_keys_with_state_dict_keys,
     _replace_state_dict_keys_with_sharded_keys,
-    _restore_dict_types,
-    _unwrap_pyt_sharded_tensor,
     mcore_to_pyt_state_dict,
 )
-from torch.distributed import checkpoint
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemReader, _write_item
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, WriteItemType
-from torch.futures import Future
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.utils.serialization import config as serialization_config
 
 from megatron_sao.checkpointing.fill_tracker import FillTracker
@@ -131,7 +117,7 @@ class StreamingWriter(FileSystemWriterAsync):
         self.on_bytes = on_bytes
         self.tracker = tracker
         self.files: dict[str, tuple[int, str]] = {}
-        """file name -> (bytes, sha256) of the files this rank wrote."""
+        """file name -> (bytes, digest hex) of the files this rank wrote (`HashingFile`)."""
         self.planned_bytes = 0
         self._results: list[Any] = []
         self._failed = threading.Event()
@@ -184,7 +170,7 @@ class StreamingWriter(FileSystemWriterAsync):
         results = []
         transforms = [self.transforms] if hasattr(self, "transforms") else []
         # torch.save's zip CRC32 of every record costs ~0.55 s/GB of CPU here and no reader checks
-        # it (torch.load does not); the file's SHA-256 computed while writing covers every byte.
+        # it (torch.load does not); the file's digest computed while writing covers every byte.
         # The setting is per thread.
         serialization_config.save.compute_crc32 = False
         stream = HashingFile(path)
@@ -258,94 +244,3 @@ class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
         save_state_dict_async_finalize(*finalize_args)
         self.files = dict(writer.files)
         self.budget_peak = budget.peak
-
-
-class _CountingLoadPlanner(MCoreLoadPlanner):
-    def __init__(self, *args: Any, on_bytes: OnBytes | None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.on_bytes = on_bytes
-
-    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
-        super().commit_tensor(read_item, tensor)
-        if self.on_bytes is not None:
-            self.on_bytes(_nbytes(tensor))
-
-
-class ParallelFileReader(FileSystemReader):
-    """torch's FileSystemReader with one thread per file (up to `thread_count`), each reading its
-    file's items in offset order. torch reads the files one after the other, each item through
-    `torch.load` and a copy into its target: CPU work the disk waits for, which two threads
-    overlap with each other (the copies run without the GIL)."""
-
-    def __init__(self, path: str | Path, thread_count: int) -> None:
-        super().__init__(path)
-        self.thread_count = max(1, thread_count)
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        per_file: dict[str, list[Any]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        plans = [dataclasses.replace(plan, items=sorted(items, key=lambda i: self.storage_data[i.storage_index].offset))
-                 for items in per_file.values()]
-        if len(plans) <= 1 or self.thread_count == 1:
-            for one in plans:
-                self._read_file(one, planner)
-        else:
-            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(plans)),
-                                    thread_name_prefix="sao-torch-dist-read") as pool:
-                for future in [pool.submit(self._read_file, one, planner) for one in plans]:
-                    future.result()
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-    def _read_file(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        FileSystemReader.read_data(self, plan, planner).wait()
-
-
-class CountingLoadStrategy(TorchDistLoadShardedStrategy):
-    """Megatron's torch_dist load, reporting the bytes of every tensor it fills (progress), through
-    `ParallelFileReader`."""
-
-    def __init__(self, on_bytes: OnBytes | None, thread_count: int = 2) -> None:
-        super().__init__()
-        self.on_bytes = on_bytes
-        self.thread_count = thread_count
-
-    def load(self, sharded_state_dict: Any, checkpoint_dir: Path, async_strategy: str = "mcore") -> Any:
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
-        original = sharded_state_dict
-        state, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
-        pyt_state = mcore_to_pyt_state_dict(state, True)
-        planner = _CountingLoadPlanner(
-            shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
-            allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors if t.allow_shape_mismatch},
-            flatten_state_dict=False, flatten_sharded_tensors=False, on_bytes=self.on_bytes)
-        checkpoint.load(pyt_state, ParallelFileReader(checkpoint_dir, self.thread_count), planner=planner,
-                        no_dist=True)
-        loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state.items()}
-        loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
-        _restore_dict_types(loaded, original)
-        return loaded
-
-
-def merge_in_place(state: dict[str, Any]) -> None:
-    """Let every ShardedTensorFactory of `state` (gated fc1: [gate; up]) return its own tensor after
-    loading when the loaded parts are views covering it, instead of concatenating a copy."""
-    for value in nested_values(state):
-        if isinstance(value, ShardedTensorFactory) and value.data is not None:
-            value.merge_fn = _in_place(value.data, value.merge_fn)
-
-
-def _in_place(data: torch.Tensor, merge: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def merge_fn(loaded: Any) -> Any:
-        parts = loaded if isinstance(loaded, list) else [loaded]
-        storage = data.untyped_storage().data_ptr()
-        if (all(isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() == storage for p in parts)
-                and sum(p.numel() for p in parts) == data.numel()):
-            return data
-        return merge(loaded)
-
-    return merge_fn

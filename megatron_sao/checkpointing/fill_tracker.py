@@ -1,5 +1,6 @@
 """Which parameters a conversion has filled so far: lets the torch_dist writer write a tensor as soon
-as it is filled (the save overlapped with the load) instead of after the whole model.
+as it is filled (hf-to-mcore: the save overlapped with the load), or the export read it as soon as
+it is loaded (mcore-to-hf), instead of after the whole model.
 
 A writer item is a parameter or a view of one (gated fc1 halves, expert slices), so an item is ready
 when the parameter whose memory holds its first byte is. Tracked by address range, not by tensor
@@ -37,8 +38,8 @@ class FillTracker:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
 
-    def _span(self, tensor: torch.Tensor) -> int | None:
-        """Index in `_spans` of the tracked tensor holding `tensor`'s first byte, or None."""
+    def span(self, tensor: torch.Tensor) -> int | None:
+        """Which tracked tensor holds `tensor`'s first byte (an index), or None."""
         address = tensor.data_ptr()
         i = bisect.bisect_right(self._starts, address) - 1
         if i >= 0 and address < self._spans[i][1]:
@@ -47,12 +48,12 @@ class FillTracker:
 
     def position(self, tensor: torch.Tensor) -> int:
         """Where `tensor` comes in the fill order (untracked tensors last)."""
-        i = self._span(tensor) if tensor.numel() > 0 else None
+        i = self.span(tensor) if tensor.numel() > 0 else None
         return len(self._spans) if i is None else self._spans[i][2]
 
     def mark(self, tensor: torch.Tensor) -> None:
         """`tensor` (a tracked tensor) is completely filled: its items may be written."""
-        i = self._span(tensor)
+        i = self.span(tensor)
         assert i is not None, "marked a tensor the tracker does not track"
         with self._cond:
             self._ready.add(i)
@@ -69,9 +70,16 @@ class FillTracker:
             self._error = error
             self._cond.notify_all()
 
+    def wait_finished(self) -> None:
+        """Block until the producer called `finish` (or `fail`: RuntimeError)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or self._finished)
+            if self._error is not None:
+                raise RuntimeError(f"the conversion filling this checkpoint failed: {self._error}") from self._error
+
     def wait(self, tensor: torch.Tensor) -> None:
         """Block until `tensor` is filled; RuntimeError if the producer failed first."""
-        i = self._span(tensor) if tensor.numel() > 0 else None
+        i = self.span(tensor) if tensor.numel() > 0 else None
         with self._cond:
             self._cond.wait_for(lambda: self._error is not None or self._finished
                                 or (i is not None and i in self._ready))

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.model_setup import unwrap
 from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from megatron_sao.checkpointing.dist_reader import BackgroundLoad
 
 OnBytes = Callable[[int], None]
 
@@ -102,7 +105,7 @@ def save_model(chunks: list[torch.nn.Module], directory: Path, thread_count: int
     (`dist_writer`); `on_planned(bytes this rank writes)`, then `on_bytes(n)` per tensor written.
     With `fill` (and the `tracker` it reports to), the weights are written while `fill` fills them:
     `fill` runs on this thread after the save is planned (see `dist_writer`).
-    Returns {file name: (bytes, sha256)} of the .distcp files this rank wrote."""
+    Returns {file name: (bytes, digest hex)} of the .distcp files this rank wrote."""
     from megatron.core import dist_checkpointing
 
     from megatron_sao.checkpointing.dist_writer import BoundedSaveStrategy
@@ -115,17 +118,56 @@ def save_model(chunks: list[torch.nn.Module], directory: Path, thread_count: int
 
 def load_model(chunks: list[torch.nn.Module], directory: Path, on_bytes: OnBytes | None = None) -> None:
     """Collective: load weights saved by `save_model` (any layout, either spec) into `chunks`, in
-    place (no second copy of any tensor; `dist_writer.merge_in_place`); `on_bytes(n)` per tensor read."""
+    place (no second copy of any tensor; `dist_reader.merge_in_place`); `on_bytes(n)` per tensor read."""
+    start_load_model(chunks, directory, on_bytes)
+
+
+def start_load_model(chunks: list[torch.nn.Module], directory: Path, on_bytes: OnBytes | None = None,
+                     tracker: FillTracker | None = None) -> BackgroundLoad | None:
+    """Collective: `load_model`; with `tracker` (over the chunks' tensors), the reading goes on in
+    the background after every collective has run, each tensor marked in `tracker` once loaded,
+    and the running load is returned (`join` it; it finishes the tracker either way). Returns
+    None when the load is complete on return (no tracker, or the loaded state is not the chunks'
+    own tensors: then the tracker is finished too)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_sao.checkpointing.dist_writer import CountingLoadStrategy, merge_in_place
+    from megatron_sao.checkpointing.dist_reader import CountingLoadStrategy, merge_in_place
 
     state = model_state(chunks)
     for chunk_state in state.values():
-        merge_in_place(chunk_state)
-    loaded = dist_checkpointing.load(state, str(directory), sharded_strategy=CountingLoadStrategy(on_bytes))
+        merge_in_place(chunk_state, tracker)
+    strategy = CountingLoadStrategy(on_bytes, tracker=tracker)
+    loaded = dist_checkpointing.load(state, str(directory), sharded_strategy=strategy)
+    background = strategy.background
+    if background is not None and all(_is_own_state(chunk, loaded[key]) for key, chunk in zip(state, chunks,
+                                                                                              strict=True)):
+        for key, chunk in zip(state, chunks, strict=True):  # the objects: what load_state_dict would set
+            chunk.load_state_dict({k: v for k, v in loaded[key].items() if not isinstance(v, torch.Tensor)},
+                                  strict=False)
+        return background
+    if background is not None:
+        background.join()
     for key, chunk in zip(state, chunks, strict=True):
         chunk.load_state_dict(loaded[key], strict=True)
+    if tracker is not None:
+        tracker.finish()
+    return None
+
+
+def _is_own_state(chunk: torch.nn.Module, loaded: dict[str, Any]) -> bool:
+    """Whether `loaded` holds exactly the chunk's state tensors themselves (loaded in place), so
+    `load_state_dict` would copy each onto itself, plus `_extra_state` objects."""
+    own = chunk.state_dict(keep_vars=True)
+    if not loaded.keys() <= own.keys() or any(not k.endswith("_extra_state") for k in own.keys() - loaded.keys()):
+        return False  # (an `_extra_state` the checkpoint does not hold is what load_state_dict accepts too)
+    for key, value in loaded.items():
+        if not isinstance(value, torch.Tensor):
+            if not key.endswith("_extra_state"):
+                return False
+        elif not (isinstance(own[key], torch.Tensor) and value.data_ptr() == own[key].data_ptr()
+                  and value.shape == own[key].shape and value.dtype == own[key].dtype):
+            return False
+    return True
 
 
 def tensor_table(directory: Path) -> dict[str, dict[str, Any]]:

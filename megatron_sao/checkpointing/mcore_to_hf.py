@@ -1,11 +1,14 @@
 """megatron-sao mcore checkpoint -> HF checkpoint (actor: causal LM; critic: critic_format).
 
 Every rank runs `convert_mcore_to_hf`. The model is built in the requested layout (the torch_dist
-checkpoint reshards into it, loaded in place: `dist_writer.merge_in_place`), megatron-bridge streams
+checkpoint reshards into it, loaded in place: `dist_reader.merge_in_place`), megatron-bridge streams
 full HF tensors one at a time, and rank 0 writes each straight to its planned place in the output
-shards (`safetensors_stream`): host memory is the rank's model shard plus one tensor. The
-manifest's checksums are verified while the model loads, each rank hashing its share of the files
-(`manifest.checksum_share`), and nothing is exported unless they all match. The output tensor
+shards (`safetensors_stream`): host memory is the rank's model shard plus one tensor. The export
+runs while the model loads (`dist_reader.BackgroundLoad`: every collective of the load runs first,
+then the export waits for each parameter it reads), and the manifest's checksums are verified
+beside both, each rank hashing its share of the files (`manifest.checksum_share`); a checksum
+mismatch or a failed load on any rank fails every rank after the export and before anything is
+committed (the staging directory is removed). The output tensor
 table (names, shapes, dtypes) comes from the manifest, so the export writes exactly the tensors
 the source had, in their dtypes; a tensor the bridge yields that is not in the table, or a table
 entry it never yields, is an error.
@@ -18,13 +21,17 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_sao.checkpointing import critic_format as cf
 from megatron_sao.checkpointing.families import Family, family_of
+from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.hf_files import (
     ST_TO_TORCH,
     TORCH_TO_ST,
@@ -33,6 +40,7 @@ from megatron_sao.checkpointing.hf_files import (
     read_config,
     read_safetensors_header,
 )
+from megatron_sao.checkpointing.hf_load import float_state
 from megatron_sao.checkpointing.manifest import (
     HF_DIR,
     MANIFEST_FILE,
@@ -44,7 +52,7 @@ from megatron_sao.checkpointing.manifest import (
     checksum_share,
     read_manifest,
 )
-from megatron_sao.checkpointing.mcore_io import load_model, tensor_table
+from megatron_sao.checkpointing.mcore_io import start_load_model, tensor_table
 from megatron_sao.checkpointing.model_setup import (
     DTYPES,
     Layout,
@@ -68,6 +76,9 @@ from megatron_sao.models.hf_export import HFWeightExporter
 from megatron_sao.platform.collective import any_rank_flags, barrier, broadcast_object, raise_if_any, rank
 from megatron_sao.platform.collective import world_size as get_world_size
 
+if TYPE_CHECKING:
+    from megatron_sao.checkpointing.dist_reader import BackgroundLoad
+
 EXPORT_MARKER = OUTPUT_MARKERS[1]  # sao_export.json: marks an HF export that --overwrite may replace
 
 
@@ -85,7 +96,7 @@ class McoreToHfRequest:
     overwrite: bool = False
     max_shard_bytes: int = 5 * 10**9
     verify_checksums: bool = True
-    """Check every file's SHA-256 against the manifest before exporting (a flipped bit in a shard is
+    """Check every file's digest against the manifest before exporting (a flipped bit in a shard is
     otherwise exported silently); one extra read of the checkpoint, split over the ranks and
     overlapping the load."""
     progress: bool = True
@@ -221,22 +232,22 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         phases["build"] = time.monotonic() - start - sum(phases.values())
         out_bytes = sum(s.nbytes for s in plan.specs)
         progress = Progress("mcore -> hf", total_bytes=rank_bytes + out_bytes, enabled=request.progress and rank() == 0)
-        progress.start_phase("read")
-        with one_op_thread():
-            _load_verified(plan, chunks, progress)
-        loaded_at = time.monotonic()
-        phases["load"] = loaded_at - start - sum(phases.values())
-        progress.start_phase("write", progress.nbytes + out_bytes)
-        exporter = HFWeightExporter(chunks, view, role=plan.role)
+        progress.start_phase("convert")
         with disk_full_as_value_error(staged.tmp), one_op_thread():
+            load = _VerifiedLoad(plan, chunks, progress)
+            overlapped = load.background is not None
+            exporter = HFWeightExporter(chunks, view, role=plan.role)
             sink = _Sink(plan, staged.tmp, progress) if rank() == 0 else None
             try:
-                for name, tensor in exporter.stream(cpu=True):
+                for name, tensor in exporter.stream(cpu=True, wait_for=load.wait):
                     # The exporter always appends a zero score.bias; a critic saved without one has none.
                     if sink is not None and not (name == cf.VALUE_BIAS and name not in sink.by_name):
                         sink.put(name, tensor)
             finally:
                 exporter.close()
+            load.finish()
+            loaded_at = load.loaded_at
+            phases["load"] = loaded_at - start - sum(phases.values())
             errors = []
             if sink is not None:
                 _copy_passthrough(plan, mcore, sink)
@@ -267,6 +278,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         "tensors": len(plan.specs),
         "shard_bytes": rank_bytes,
         "bytes": total, "rounded": rounded, "seconds": seconds, "load_seconds": loaded_at - start,
+        "load_overlapped": overlapped,
         "export_seconds": time.monotonic() - loaded_at,
         "summary": (f"{mcore} ({plan.role}, {plan.family.architecture}) -> {out}: {len(plan.specs)} tensors, "
                     f"{human_bytes(total)} [{request.layout.describe()}, {get_world_size()} ranks] in {seconds:.1f} s"
@@ -274,37 +286,63 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
     }
 
 
-def _load_verified(plan: McoreToHfPlan, chunks: list[torch.nn.Module], progress: Progress) -> None:
-    """Collective: load the checkpoint into `chunks` while this rank hashes its share of the files;
-    raise on every rank if any checksum differs (before any export) or any rank failed to load."""
-    mcore, manifest = Path(plan.request.mcore_dir), plan.manifest
-    found: list[str] = []
-    hashing = None
-    if manifest is not None and plan.request.verify_checksums:
-        share = checksum_share(manifest, rank(), get_world_size())
+class _VerifiedLoad:
+    """Collective: the checkpoint loading into `chunks` (in the background where it can:
+    `mcore_io.start_load_model`) while this rank hashes its share of the files. `wait` blocks
+    until a parameter is loaded (or the load ended, even in failure: the export's gathers must run
+    on every rank); `finish` raises on every rank if any checksum differs or any rank's load failed."""
 
-        def check() -> None:
+    def __init__(self, plan: McoreToHfPlan, chunks: list[torch.nn.Module], progress: Progress) -> None:
+        self.mcore, manifest = Path(plan.request.mcore_dir), plan.manifest
+        self.found: list[str] = []
+        self.hashing: threading.Thread | None = None
+        if manifest is not None and plan.request.verify_checksums:
+            share = checksum_share(manifest, rank(), get_world_size())
+
+            def check() -> None:
+                try:
+                    self.found.extend(checksum_errors(self.mcore, manifest, share))
+                except OSError as e:  # e.g. a file removed while converting
+                    self.found.append(f"{self.mcore}: cannot verify checksums: {e}")
+
+            # a daemon thread: an interrupted conversion does not wait for the hashing to finish
+            self.hashing = threading.Thread(target=check, name="sao-checksums", daemon=True)
+            self.hashing.start()
+        self.tracker = FillTracker(tensor for _, tensor in float_state(chunks, ()))
+        self.background: BackgroundLoad | None = None
+        self.failure: BaseException | None = None
+        try:
+            self.background = start_load_model(chunks, self.mcore, on_bytes=progress.advance, tracker=self.tracker)
+        except (Exception, CheckpointException) as e:  # a corrupt file may fail the load: its checksum error says why
+            self.failure = e
+        self.loaded_at = time.monotonic()
+        if self._any_rank_failed():  # before the export: a rank without its weights must not gather
+            self._raise()
+        self.wait: Callable[[torch.Tensor], None] = self.tracker.wait
+
+    def _any_rank_failed(self) -> bool:
+        return bool(any_rank_flags(torch.tensor([int(self.failure is not None)], dtype=torch.int32)).item())
+
+    def _raise(self) -> None:
+        if self.hashing is not None:
+            self.hashing.join()
+        raise_if_any(self.found)
+        if self.failure is not None:
+            raise self.failure
+        raise RuntimeError(f"loading {self.mcore} failed on another rank (its log has the error)")
+
+    def finish(self) -> None:
+        if self.background is not None:
             try:
-                found.extend(checksum_errors(mcore, manifest, share))
-            except OSError as e:  # e.g. a file removed while converting
-                found.append(f"{mcore}: cannot verify checksums: {e}")
-
-        # a daemon thread: an interrupted conversion does not wait for the hashing to finish
-        hashing = threading.Thread(target=check, name="sao-checksums", daemon=True)
-        hashing.start()
-    failure = None
-    try:
-        load_model(chunks, mcore, on_bytes=progress.advance)
-    except Exception as e:  # a corrupt file may fail the load itself: its checksum error says why
-        failure = e
-    if hashing is not None:
-        hashing.join()
-    raise_if_any(found)
-    failed = any_rank_flags(torch.tensor([int(failure is not None)], dtype=torch.int32))
-    if failure is not None:
-        raise failure
-    if failed.item():
-        raise RuntimeError(f"loading {mcore} failed on another rank (its log has the error)")
+                self.background.join()
+            except (Exception, CheckpointException) as e:  # torch.distributed.checkpoint's is a BaseException
+                self.failure = e
+            self.loaded_at = self.background.finished_at or time.monotonic()
+        if self.hashing is not None:
+            self.hashing.join()
+        raise_if_any(self.found)
+        if self._any_rank_failed():
+            self._raise()
 
 
 def _copy_passthrough(plan: McoreToHfPlan, mcore: Path, sink: _Sink) -> None:

@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -46,6 +46,18 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _waiting_for(wait_for: Callable[[torch.Tensor], None]) -> Callable[..., Iterator[Any]]:
+    """megatron-bridge's task-loop wrapper, replaced: wait for each task's local parameter first."""
+
+    def tasks_in_order(tasks: list[Any], description: str, show_progress: bool = True) -> Iterator[Any]:
+        for task in tasks:
+            if task is not None and task.megatron_module is not None and isinstance(task.param_weight, torch.Tensor):
+                wait_for(task.param_weight)
+            yield task
+
+    return tasks_in_order
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
@@ -87,9 +99,12 @@ class HFWeightExporter:
 
     # ---- the stream --------------------------------------------------------------------------
 
-    def stream(self, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(self, cpu: bool = True,
+               wait_for: Callable[[torch.Tensor], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: `(hf_name, full_tensor)` for every HF tensor, the same on every rank. With
-        `cpu=False` tensors stay on the model's device (for CUDA-IPC engine payloads)."""
+        `cpu=False` tensors stay on the model's device (for CUDA-IPC engine payloads). `wait_for`
+        is called with each local parameter before it is read (a load still filling the chunks:
+        `sao convert mcore-to-hf`); it must return on every rank, or the gathers hang."""
         model_bridge = self.bridge._model_bridge
         hf_config = self.bridge.hf_pretrained.config
         tasks = None
@@ -101,14 +116,19 @@ class HFWeightExporter:
         # as the live parameter itself when it is already on the target device: copy those, or a
         # caller holding the export would see the next optimizer step.
         live = {p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()}
-        for name, tensor in model_bridge.stream_weights_megatron_to_hf(self.chunks, hf_config, cpu=cpu,
-                                                                       show_progress=False, conversion_tasks=tasks):
-            tensor = self._cast(tensor)
-            if tensor.untyped_storage().data_ptr() in live:
-                tensor = tensor.clone()
-            yield name, tensor
+        if wait_for is not None:
+            model_bridge._with_progress_tracking = _waiting_for(wait_for)
+        try:
+            for name, tensor in model_bridge.stream_weights_megatron_to_hf(
+                    self.chunks, hf_config, cpu=cpu, show_progress=False, conversion_tasks=tasks):
+                tensor = self._cast(tensor)
+                if tensor.untyped_storage().data_ptr() in live:
+                    tensor = tensor.clone()
+                yield name, tensor
+        finally:
+            model_bridge.__dict__.pop("_with_progress_tracking", None)
         if self.role == "critic":
-            head = self._value_head(cpu)
+            head = self._value_head(cpu, wait_for)
             yield cf.VALUE_WEIGHT, self._cast(head)
             yield cf.VALUE_BIAS, self._cast(torch.zeros(1, dtype=head.dtype, device=head.device))
 
@@ -117,10 +137,13 @@ class HFWeightExporter:
             return tensor.to(self.dtype)
         return tensor
 
-    def _value_head(self, cpu: bool) -> torch.Tensor:
+    def _value_head(self, cpu: bool, wait_for: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """The value head [1, hidden] from the last pipeline stage, on every rank."""
         heads = [_unwrap(c).output_layer.weight.detach() for c in self.chunks
                  if getattr(_unwrap(c), "post_process", False)]
+        if wait_for is not None:
+            for head in heads:
+                wait_for(head)
         local = heads[0].cpu().clone() if heads else None
         if torch.distributed.is_initialized():
             gathered: list[torch.Tensor | None] = [None] * torch.distributed.get_world_size()

@@ -127,3 +127,46 @@ def test_a_critic_checkpoint_is_read_through_a_causal_view(tiny_hf_dir, tmp_path
     assert exporter.bridge.hf_pretrained.config.architectures == config["architectures"]
     exporter.close()
     assert not view.exists()
+
+
+def export_waiting_for_parameters(hf_dir: str) -> dict[str, Any]:
+    """Rank job: export a freshly built model; then blank every parameter with NaN and export again
+    with a `wait_for` that puts each parameter's values back only when it is called (as a load
+    still filling the model would): the second export equals the first only if every parameter
+    is waited for before it is read."""
+    from megatron_sao.checkpointing.model_setup import Layout, build_for_conversion, conversion_config
+    from megatron_sao.models.hf_export import HFWeightExporter
+
+    config = conversion_config(Path(hf_dir), Layout(), 1, torch.float32)
+    chunks = build_for_conversion(config, "actor")  # not initialised (a conversion loads every value)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=generator))
+    exporter = HFWeightExporter(chunks, hf_dir)
+    reference = {name: tensor.clone() for name, tensor in exporter.stream()}
+    saved = {p.data_ptr(): p.detach().clone() for p in params}
+    by_start = {p.data_ptr(): p for p in params}
+    restored: set[int] = set()
+    with torch.no_grad():
+        for p in params:
+            p.fill_(float("nan"))
+
+    def wait_for(tensor: torch.Tensor) -> None:
+        key = tensor.data_ptr()
+        if key in by_start and key not in restored:
+            with torch.no_grad():
+                by_start[key].copy_(saved[key])
+            restored.add(key)
+
+    again = dict(exporter.stream(wait_for=wait_for))
+    exporter.close()
+    return {"same": reference.keys() == again.keys() and all(torch.equal(reference[n], again[n]) for n in reference),
+            "restored": len(restored), "params": len(params)}
+
+
+def test_the_stream_waits_for_each_parameter_before_reading_it(tiny_hf_dir):
+    (result,) = run_distributed(export_waiting_for_parameters, 1, str(tiny_hf_dir), timeout_s=300)
+    assert result["same"], "a parameter was read before wait_for released it"
+    assert result["restored"] == result["params"]
