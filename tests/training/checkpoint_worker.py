@@ -266,3 +266,26 @@ def async_save_round_trip(hf_dir: str, ckpt: str) -> dict[str, Any]:
     after = snapshot(roles)
     return {"complete_before_finalize": complete_before_finalize, "complete": final.is_dir(),
             "equal": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def resume_source_then_save_then_die(hf_dir: str, ckpt: str, source_path: str, killed_ckpt: str,
+                                     snapshot_path: str) -> None:
+    """The first launch of both checkpoint fixtures (one process start-up instead of two):
+    `resume_source`, its result saved to `source_path`.rankN (this launch ends killed, so nothing
+    comes back through `run_distributed`), then `save_then_die`."""
+    import torch.distributed as dist
+
+    torch.save(resume_source(hf_dir, ckpt), f"{source_path}.rank{dist.get_rank()}")
+    save_then_die(hf_dir, killed_ckpt, snapshot_path)
+
+
+def resume_and_reshard_then_after_kill(hf_dir: str, ckpt: str, out: str, target_path: str, killed_ckpt: str,
+                                       snapshot_path: str, work: str) -> dict[str, Any]:
+    """The second launch of both checkpoint fixtures, in fresh processes: `resume_and_reshard` (its
+    result also saved to `target_path`.rankN first, so that a failure in the second half leaves the
+    first half's tests their result), then `after_kill`."""
+    import torch.distributed as dist
+
+    target = resume_and_reshard(hf_dir, ckpt, out)
+    torch.save(target, f"{target_path}.rank{dist.get_rank()}")
+    return {"target": target, "after": after_kill(hf_dir, killed_ckpt, snapshot_path, work)}

@@ -23,13 +23,44 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def resumed(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def launches(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The jobs of `resumed` and `killed` in two launches of 2 gloo ranks instead of four (process
+    start-up, imports and the first save are most of each launch): the first runs `resume_source`
+    then `save_then_die` (and so ends killed), the second, in fresh processes, `resume_and_reshard`
+    then `after_kill`. Per-rank results of the first halves travel through files."""
+    root, killed_root = tmp_path_factory.mktemp("resume"), tmp_path_factory.mktemp("killed")
+    ckpt, killed_ckpt, snapshot = root / "ckpt", killed_root / "ckpt", killed_root / "step3"
+    with pytest.raises(RankFailed) as died:  # rank 0 exits; rank 1 then fails in its collective or is killed
+        run_distributed(worker.resume_source_then_save_then_die, 2, str(hf_dir), str(ckpt), str(root / "source"),
+                        str(killed_ckpt), str(snapshot), timeout_s=600)
+    source = _per_rank(root / "source", died.value)
+    listing = sorted(p.name for p in killed_ckpt.iterdir())
+    tracker = (killed_ckpt / files.TRACKER_FILE).read_text()
+    try:
+        second = run_distributed(worker.resume_and_reshard_then_after_kill, 2, str(hf_dir), str(ckpt),
+                                 str(root / "out"), str(root / "target"), str(killed_ckpt), str(snapshot),
+                                 str(killed_root))
+        after, failure = [r["after"] for r in second], None
+    except RankFailed as e:
+        after, failure = None, e
+    return {"resumed": {"root": root, "source": source, "target": _per_rank(root / "target", failure)},
+            "killed": {"root": killed_root, "listing": listing, "tracker": tracker, "after": after},
+            "failure": failure}
+
+
+def _per_rank(path: Path, failure: BaseException | None) -> list:
+    """The results a launch left in `path`.rank0 / .rank1 (its failure, when it left none)."""
+    found = [Path(f"{path}.rank{r}") for r in range(2)]
+    if not all(f.is_file() for f in found):
+        raise AssertionError(f"no results at {path}.rankN; the launch failed with:\n{failure}")
+    return [torch.load(f) for f in found]
+
+
+@pytest.fixture(scope="module")
+def resumed(launches: dict) -> dict:
     """EP2 with the distributed optimizer: 6 steps straight (saving at 3 and 4) vs load 3 + 3 steps in
     fresh processes; then the step-3 checkpoint loaded into DP2, re-saved, one step taken and saved."""
-    root = tmp_path_factory.mktemp("resume")
-    source = run_distributed(worker.resume_source, 2, str(hf_dir), str(root / "ckpt"))
-    target = run_distributed(worker.resume_and_reshard, 2, str(hf_dir), str(root / "ckpt"), str(root / "out"))
-    return {"root": root, "source": source, "target": target}
+    return launches["resumed"]
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +73,11 @@ def resharded_other_layouts(resumed: dict, hf_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def killed(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def killed(launches: dict) -> dict:
     """Plain optimizer, DP2: saves at 1, 2, 3 (keep_last=2), killed inside the save of 4; then resumed."""
-    root = tmp_path_factory.mktemp("killed")
-    ckpt = root / "ckpt"
-    with pytest.raises(RankFailed):  # rank 0 exits; rank 1 then fails in its collective or is killed
-        run_distributed(worker.save_then_die, 2, str(hf_dir), str(ckpt), str(root / "step3"), timeout_s=300)
-    listing = sorted(p.name for p in ckpt.iterdir())
-    tracker = (ckpt / files.TRACKER_FILE).read_text()
-    after = run_distributed(worker.after_kill, 2, str(hf_dir), str(ckpt), str(root / "step3"), str(root))
-    return {"root": root, "listing": listing, "tracker": tracker, "after": after}
+    if launches["failure"] is not None:
+        raise launches["failure"]
+    return launches["killed"]
 
 
 def test_resume_is_bit_identical_to_an_uninterrupted_run(resumed):
