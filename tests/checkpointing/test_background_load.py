@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from megatron_sao.checkpointing.fill_tracker import FillTracker
@@ -72,8 +73,20 @@ def _load_in_background(directory: str, track_all: bool, fail_at_item: int | Non
     return result
 
 
-def test_the_load_returns_at_once_and_releases_each_tensor_when_it_is_loaded(tmp_path: Path):
-    result = run_distributed(_load_in_background, 1, str(tmp_path / "ckpt"), True, None, timeout_s=300)[0]
+def _three_loads(directory: str) -> dict[str, dict[str, Any]]:
+    """Rank job: the three cases below in one process (one start-up instead of three)."""
+    return {"tracked": _load_in_background(f"{directory}/tracked", True, None),
+            "untracked": _load_in_background(f"{directory}/untracked", False, None),
+            "failing": _load_in_background(f"{directory}/failing", True, 2)}
+
+
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return run_distributed(_three_loads, 1, str(tmp_path_factory.mktemp("loads")), timeout_s=300)[0]
+
+
+def test_the_load_returns_at_once_and_releases_each_tensor_when_it_is_loaded(loads):
+    result = loads["tracked"]
     assert result["background"] and result["in_place"]
     assert result["object"] == {"answer": 42}, "objects are loaded before the call returns"
     assert result["returned_after"] < 1.0, "four items at 0.3 s each: the reading went on after the call returned"
@@ -81,13 +94,13 @@ def test_the_load_returns_at_once_and_releases_each_tensor_when_it_is_loaded(tmp
     assert result["exact"]
 
 
-def test_an_untracked_target_loads_in_the_foreground(tmp_path: Path):
-    result = run_distributed(_load_in_background, 1, str(tmp_path / "ckpt"), False, None, timeout_s=300)[0]
+def test_an_untracked_target_loads_in_the_foreground(loads):
+    result = loads["untracked"]
     assert not result["background"]
     assert result["returned_after"] >= 4 * 0.3 and result["exact"] and result["object"] == {"answer": 42}
 
 
-def test_a_failing_background_load_releases_every_waiter_and_join_raises(tmp_path: Path):
-    result = run_distributed(_load_in_background, 1, str(tmp_path / "ckpt"), True, 2, timeout_s=300)[0]
+def test_a_failing_background_load_releases_every_waiter_and_join_raises(loads):
+    result = loads["failing"]
     assert result["background"]
     assert result["error"].startswith("CheckpointException") and "item 2 cannot be read" in result["error"]
