@@ -41,3 +41,11 @@ def digest_file(path: Path, algorithm: str = DEFAULT, chunk_bytes: int = 4 * 102
         while n := f.readinto(buffer):
             digest.update(view[:n])
     return digest.hexdigest()
+
+
+def entry_digest(entry: dict[str, Any]) -> tuple[str, str]:
+    """(algorithm, hex digest) of a manifest's file entry `{bytes, <algorithm>: hex}`."""
+    for algorithm in ALGORITHMS:
+        if algorithm in entry:
+            return algorithm, entry[algorithm]
+    raise ValueError(f"file entry {entry} has no digest (known: {sorted(ALGORITHMS)})")

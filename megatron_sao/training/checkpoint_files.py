@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_sao.checkpointing.digest import digest_file, entry_digest
 from megatron_sao.checkpointing.manifest import library_versions, sha256_file, tree_checksum
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ PARTIAL_SUFFIX = ".partial"
 FORMAT = "sao-train-checkpoint-v1"
 ROLES = ("actor", "critic")
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_NAMES = {"sha256": "SHA-256", "xxh3_128": "xxh3-128"}
 
 
 @dataclass(kw_only=True)
@@ -190,8 +192,11 @@ def verify_files(root: Path, files: dict[str, dict[str, Any]], names: list[str])
         elif path.stat().st_size != meta["bytes"]:
             errors.append(f"{path}: checkpoint file is {path.stat().st_size} bytes, the manifest records "
                           f"{meta['bytes']} (truncated or replaced)")
-        elif sha256_file(path) != meta["sha256"]:
-            errors.append(f"{path}: checkpoint file is corrupt (SHA-256 differs from the one recorded at save)")
+        else:
+            algorithm, recorded = entry_digest(meta)  # SHA-256 here; xxh3-128 in a conversion output
+            if digest_file(path, algorithm) != recorded:
+                errors.append(f"{path}: checkpoint file is corrupt ({_NAMES[algorithm]} differs from the one "
+                              "recorded at save)")
     return errors
 
 
