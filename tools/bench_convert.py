@@ -5,12 +5,13 @@
 
 Steps (all timed, page cache of the files evicted before each read-bound step with
 posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memory):
-1. write a synthetic random HF checkpoint (Qwen3-MoE family, sizes scaled to --size-gb; config and
-   tensor list from transformers, data random, written tensor by tensor);
+1. write a synthetic random HF checkpoint (Qwen3-MoE family, the tensor sizes of Qwen3-30B-A3B or
+   --shape small, layer count scaled to --size-gb; config and tensor list from transformers, data
+   random, written tensor by tensor);
 2. sequential read of its safetensors files (16 MB reads): the disk's read speed R; and, for
    context, a sequential write of as many bytes with fsync (conversions write what they read);
-   then a checksummed copy of the files (read, SHA-256, write, fsync; two threads): the per-byte
-   work no conversion avoids, hence the most one can reach on this host;
+   then a checksummed copy of the files (read, the manifest's digest, write, fsync; two threads):
+   the per-byte work no conversion avoids, hence the most one can reach on this host;
 3. for each rank count of --nproc (default 1 and 2; EP = ranks unless --ep), in fresh processes:
    `hf-to-mcore`, then `mcore-to-hf` of the result: throughput = HF bytes / seconds;
 and prints each throughput as a fraction of min(sequential read, sequential write) and, for every
@@ -32,14 +33,25 @@ from pathlib import Path
 
 import torch
 
+from megatron_sao.checkpointing.digest import DEFAULT as DEFAULT_DIGEST
+from megatron_sao.checkpointing.digest import new_hasher
 from megatron_sao.checkpointing.hf_files import TORCH_TO_ST, expected_hf_tensors
 from megatron_sao.checkpointing.output_dir import human_bytes
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 
 _READ_BLOCK = 16 * 1024 * 1024
-_LAYER_SHAPE = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
-                "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 512, "intermediate_size": 2048}
+SHAPES = {
+    # the tensor sizes of Qwen3-30B-A3B (hidden 2048, 32 query / 4 KV heads, 768-wide experts: 3 MB
+    # per expert matrix in bf16), with 32 experts per layer instead of 128 so a layer is ~0.3 GB
+    "qwen3-30b-a3b": {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "num_experts": 32, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "intermediate_size": 6144},
+    # smaller tensors (1 MB per expert matrix): more per-tensor overhead per byte (the stop-18/19 runs)
+    "small": {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+              "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 512, "intermediate_size": 2048},
+}
+_LAYER_SHAPE = dict(SHAPES["qwen3-30b-a3b"])
 
 
 def _layer_bytes(dtype: torch.dtype) -> int:
@@ -125,16 +137,15 @@ def sequential_write(path: Path, nbytes: int) -> float:
     return seconds
 
 
-def checksummed_copy(files: list[Path], destination: Path) -> float:
-    """Seconds to copy `files` into one file with SHA-256 of every byte and fsync, reading and
-    writing in two threads: what any conversion must at least do per byte (read, hash, write), and
-    so the most a conversion can reach on this host (the file is removed)."""
-    import hashlib
+def checksummed_copy(files: list[Path], destination: Path, algorithm: str = DEFAULT_DIGEST) -> float:
+    """Seconds to copy `files` into one file with the manifest's digest of every byte and fsync,
+    reading and writing in two threads: what any conversion must at least do per byte (read, hash,
+    write), and so the most a conversion can reach on this host (the file is removed)."""
     import queue
     import threading
 
     blocks: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
-    digest = hashlib.sha256()
+    digest = new_hasher(algorithm)
 
     def read() -> None:
         for path in files:
@@ -182,6 +193,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0, help="model size (default 2.0)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                        help="tensor sizes of the synthetic model (default: those of Qwen3-30B-A3B)")
     parser.add_argument("--dir", default=None, help="where to work (default: the system temp dir, e.g. /tmp)")
     parser.add_argument("--nproc", default="1,2",
                         help="comma-separated rank counts to convert with, each in fresh processes (default 1,2)")
@@ -200,13 +213,16 @@ def main() -> None:
     from megatron_sao.platform import run_distributed
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    _LAYER_SHAPE.clear()
+    _LAYER_SHAPE.update(SHAPES[args.shape])
     bucket = int(args.io_bucket_mb * 2**20)
     work = Path(tempfile.mkdtemp(prefix="sao-bench-convert-", dir=args.dir))
     try:
         start = time.monotonic()
         model_bytes = write_synthetic_checkpoint(work / "hf", args.size_gb * 1e9, dtype)
         files = sorted((work / "hf").glob("*.safetensors"))
-        print(f"synthetic checkpoint: {human_bytes(model_bytes)} in {len(files)} files ({args.dtype}), "
+        print(f"synthetic checkpoint: {human_bytes(model_bytes)} in {len(files)} files ({args.dtype}, "
+              f"{args.shape} tensor sizes), "
               f"written in {time.monotonic() - start:.1f} s under {work}")
         evict(work)
         read_bytes, read_s = sequential_read(files)
@@ -220,7 +236,7 @@ def main() -> None:
         print(f"bound min(read, write) = {human_bytes(bound)}/s (a conversion writes as many bytes as it reads)")
         evict(work)
         copy_s = checksummed_copy(files, work / "copy_probe")
-        print(f"checksummed copy (read + SHA-256 + write + fsync, 2 threads): {copy_s:.2f} s = "
+        print(f"checksummed copy (read + {DEFAULT_DIGEST} + write + fsync, 2 threads): {copy_s:.2f} s = "
               f"{human_bytes(model_bytes / copy_s)}/s = {model_bytes / copy_s / bound:.2f} x min(read, write): "
               "the per-byte work every conversion does, so its ceiling on this host")
         # each rank imports the conversion stack before its baseline is taken (rss.warm_up): the
