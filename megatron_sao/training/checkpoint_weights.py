@@ -3,8 +3,8 @@
 Accepted paths: a run's checkpoints directory (its latest complete checkpoint), an
 `iter_NNNNNNN` directory, one role directory inside it, or a `sao convert hf-to-mcore` output.
 Only the model weights are read (no optimizer, scheduler or RNG state: a new run), and they
-reshard into any layout. Files are checked against the checkpoint's recorded SHA-256 first,
-each rank checking a share of them.
+reshard into any layout. Files are checked against the checkpoint's recorded digests first
+(SHA-256 in a run's checkpoint, xxh3-128 in a conversion output), each rank checking a share.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_weights_dir(path: Path, role: str) -> tuple[Path, Path, dict[str, dict[str, Any]]]:
-    """(directory to load, root the file table is relative to, {relative path: {bytes, sha256}} of the
+    """(directory to load, root the file table is relative to, {relative path: {bytes, <digest>}} of the
     files to check) for `path`; ValueError naming `path` when it is no accepted kind."""
     path = Path(path)
     if not path.is_dir():
