@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -137,8 +138,6 @@ class BackgroundLoad:
         self._thread.start()
 
     def _main(self) -> None:
-        import time
-
         try:
             self._run()
         except BaseException as e:  # raised by `join` on the calling thread
@@ -184,7 +183,8 @@ class CountingLoadStrategy(TorchDistLoadShardedStrategy):
                             no_dist=True)
 
         if in_background:
-            # the objects (`_extra_state`: a few bytes each) now, the tensors on the load's thread
+            # the objects (`_extra_state`: a few bytes each) now, the tensors on the load's thread; the
+            # objects' planner validates every tensor's shape too, so a mismatch fails before returning
             objects = {k: v for k, v in pyt_state.items() if isinstance(v, io.BytesIO)}
             if objects:
                 read(objects, None)

@@ -21,7 +21,6 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -239,7 +238,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
             exporter = HFWeightExporter(chunks, view, role=plan.role)
             sink = _Sink(plan, staged.tmp, progress) if rank() == 0 else None
             try:
-                for name, tensor in exporter.stream(cpu=True, wait_for=load.wait):
+                for name, tensor in exporter.stream(cpu=True, wait_for=load.tracker.wait):
                     # The exporter always appends a zero score.bias; a critic saved without one has none.
                     if sink is not None and not (name == cf.VALUE_BIAS and name not in sink.by_name):
                         sink.put(name, tensor)
@@ -288,7 +287,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
 
 class _VerifiedLoad:
     """Collective: the checkpoint loading into `chunks` (in the background where it can:
-    `mcore_io.start_load_model`) while this rank hashes its share of the files. `wait` blocks
+    `mcore_io.start_load_model`) while this rank hashes its share of the files. `tracker.wait` blocks
     until a parameter is loaded (or the load ended, even in failure: the export's gathers must run
     on every rank); `finish` raises on every rank if any checksum differs or any rank's load failed."""
 
@@ -318,7 +317,6 @@ class _VerifiedLoad:
         self.loaded_at = time.monotonic()
         if self._any_rank_failed():  # before the export: a rank without its weights must not gather
             self._raise()
-        self.wait: Callable[[torch.Tensor], None] = self.tracker.wait
 
     def _any_rank_failed(self) -> bool:
         return bool(any_rank_flags(torch.tensor([int(self.failure is not None)], dtype=torch.int32)).item())
