@@ -216,6 +216,8 @@ def main() -> None:
     _LAYER_SHAPE.clear()
     _LAYER_SHAPE.update(SHAPES[args.shape])
     bucket = int(args.io_bucket_mb * 2**20)
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sao-bench-convert-", dir=args.dir))
     try:
         start = time.monotonic()

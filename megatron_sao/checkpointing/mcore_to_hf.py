@@ -2,8 +2,11 @@
 
 Every rank runs `convert_mcore_to_hf`. The model is built in the requested layout (the torch_dist
 checkpoint reshards into it, loaded in place: `dist_reader.merge_in_place`), megatron-bridge streams
-full HF tensors one at a time, and rank 0 writes each straight to its planned place in the output
-shards (`safetensors_stream`): host memory is the rank's model shard plus one tensor. The export
+HF tensors one at a time, and the rank that owns each writes it straight to its planned place in the
+output shards (`safetensors_stream`; rank 0 creates the files, the others open them): experts are
+not gathered across expert-parallel ranks (each rank writes its own), other tensors are shared out
+by bytes (`HFWeightExporter.stream_owned`). Host memory is the rank's model shard plus one tensor;
+on several nodes the output directory must be on a filesystem every rank sees. The export
 runs while the model loads (`dist_reader.BackgroundLoad`: every collective of the load runs first,
 then the export waits for each parameter it reads), and the manifest's checksums are verified
 beside both, each rank hashing its share of the files (`manifest.checksum_share`); a checksum
@@ -71,8 +74,16 @@ from megatron_sao.checkpointing.output_dir import (
 )
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from megatron_sao.models.hf_export import HFWeightExporter
-from megatron_sao.platform.collective import any_rank_flags, barrier, broadcast_object, raise_if_any, rank
+from megatron_sao.models.hf_export import HFWeightExporter, OwnedTensor
+from megatron_sao.platform.collective import (
+    any_rank_flags,
+    barrier,
+    broadcast_object,
+    gather_objects,
+    raise_if_any,
+    rank,
+    sum_over_ranks,
+)
 from megatron_sao.platform.collective import world_size as get_world_size
 
 if TYPE_CHECKING:
@@ -167,14 +178,34 @@ def plan_mcore_to_hf(request: McoreToHfRequest) -> McoreToHfPlan:
 
 
 class _Sink:
-    """Rank 0's end of the export: checks each tensor against the plan, casts, writes."""
+    """This rank's end of the export: checks each tensor it owns against the plan, casts, writes
+    it into the output files (which rank 0 creates: `create`)."""
 
-    def __init__(self, plan: McoreToHfPlan, directory: Path, progress: Progress) -> None:
+    def __init__(self, plan: McoreToHfPlan, directory: Path, progress: Progress, create: bool) -> None:
         self.by_name = {s.name: s for s in plan.specs}
-        self.writer = StreamingSafetensorsWriter(directory, plan.specs, plan.request.max_shard_bytes)
+        self.writer = StreamingSafetensorsWriter(directory, plan.specs, plan.request.max_shard_bytes, create=create)
         self.progress = progress
+        self.expert_parallel = plan.request.layout.ep
         self.errors: list[str] = []
         self.rounded: list[str] = []
+
+    def take(self, item: OwnedTensor) -> None:
+        """Every tensor of this rank's stream: written if owned, counted for progress either way."""
+        spec = self.by_name.get(item.name)
+        nbytes = spec.nbytes if spec is not None else item.tensor.numel() * item.tensor.element_size()
+        self.progress.advance(nbytes * (self.expert_parallel if item.expert_local else 1))
+        if item.owned:
+            self.put(item.name, item.tensor)
+
+    def unwritten_or_twice(self) -> list[str]:
+        """Collective: every tensor of the plan must have been written by exactly one rank."""
+        counts = sum_over_ranks(torch.tensor(self.writer.written_flags(), dtype=torch.int32)).tolist()
+        names = list(self.writer.slots)
+        missing = [n for n, c in zip(names, counts, strict=True) if c == 0]
+        twice = [n for n, c in zip(names, counts, strict=True) if c > 1]
+        errors = [f"export did not produce {len(missing)} tensors of the source, e.g. {missing[:3]}"] if missing else []
+        assert not twice, f"{len(twice)} tensors written by more than one rank, e.g. {twice[:3]}"
+        return errors
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         spec = self.by_name.get(name)
@@ -191,7 +222,22 @@ class _Sink:
             if not torch.equal(cast.to(tensor.dtype), tensor):
                 self.rounded.append(name)
             tensor = cast
-        self.progress.advance(self.writer.write(name, tensor))
+        self.writer.write(name, tensor)
+
+
+def _open_sink(plan: McoreToHfPlan, directory: Path, progress: Progress) -> _Sink:
+    """Collective: rank 0 creates the output files, then every other rank opens them."""
+    sink = None
+    for creating in (True, False):
+        problems = []
+        if (rank() == 0) == creating:
+            try:
+                sink = _Sink(plan, directory, progress, create=creating)
+            except (OSError, ValueError) as e:
+                problems.append(f"rank {rank()}: {e}")
+        raise_if_any(problems)
+    assert sink is not None
+    return sink
 
 
 def _copy_config_files(plan: McoreToHfPlan, tmp: Path) -> None:
@@ -233,29 +279,26 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         progress = Progress("mcore -> hf", total_bytes=rank_bytes + out_bytes, enabled=request.progress and rank() == 0)
         progress.start_phase("convert")
         with disk_full_as_value_error(staged.tmp), one_op_thread():
+            sink = _open_sink(plan, staged.tmp, progress)
             load = _VerifiedLoad(plan, chunks, progress)
             overlapped = load.background is not None
             exporter = HFWeightExporter(chunks, view, role=plan.role)
-            sink = _Sink(plan, staged.tmp, progress) if rank() == 0 else None
             try:
-                for name, tensor in exporter.stream(cpu=True, wait_for=load.tracker.wait):
+                for item in exporter.stream_owned(cpu=True, wait_for=load.tracker.wait):
                     # The exporter always appends a zero score.bias; a critic saved without one has none.
-                    if sink is not None and not (name == cf.VALUE_BIAS and name not in sink.by_name):
-                        sink.put(name, tensor)
+                    if not (item.name == cf.VALUE_BIAS and item.name not in sink.by_name):
+                        sink.take(item)
             finally:
                 exporter.close()
             load.finish()
             loaded_at = load.loaded_at
             phases["load"] = loaded_at - start - sum(phases.values())
-            errors = []
-            if sink is not None:
+            if rank() == 0:
                 _copy_passthrough(plan, mcore, sink)
-                missing = sink.writer.missing()
-                errors = sink.errors + ([f"export did not produce {len(missing)} tensors of the source, e.g. "
-                                         f"{missing[:3]}"] if missing else [])
-            raise_if_any(errors)
-            if sink is not None:
-                sink.writer.close()
+            raise_if_any(sink.errors + sink.unwritten_or_twice())
+            sink.writer.close(fsync=rank() != 0)  # rank 0's commit syncs its own files (and the tree)
+            barrier()
+            if rank() == 0:
                 _copy_config_files(plan, staged.tmp)
                 staged.commit()
         barrier()
@@ -271,7 +314,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
     seconds = time.monotonic() - start
     phases["export"] = seconds - sum(phases.values())
     total = sum(s.nbytes for s in plan.specs)
-    rounded = sink.rounded if sink is not None else []
+    rounded = sorted({name for names in gather_objects(sink.rounded) for name in names})
     return {
         "phases": phases, "out": str(out), "role": plan.role, "architecture": plan.family.architecture,
         "tensors": len(plan.specs),
@@ -353,4 +396,4 @@ def _copy_passthrough(plan: McoreToHfPlan, mcore: Path, sink: _Sink) -> None:
         names = [n for n in read_safetensors_header(file) if n in plan.passthrough]
         with safe_open(str(file), framework="pt") as f:
             for name in names:
-                sink.put(name, f.get_tensor(name))
+                sink.take(OwnedTensor(name, f.get_tensor(name), owned=True, expert_local=False))

@@ -6,6 +6,10 @@ known name/dtype/shape list (the manifest), each shard file is created at its fi
 header, and each arriving tensor is written straight to its offset, whose write-back to disk
 starts at once (`writeback.start_writeback`), overlapping the export of the next. Memory: one tensor.
 
+Several writers can share the files: the layout is a pure function of the tensor list, so one
+process creates the files (`create=True`) and the others open them (`create=False`) and write
+their own tensors to the same planned offsets (`sao convert mcore-to-hf` on N ranks).
+
 Layout follows `save_pretrained`: `model.safetensors`, or `model-0000i-of-0000n.safetensors`
 plus `model.safetensors.index.json`. Within a file, tensors are ordered by element size
 (largest first) then name, so every tensor is aligned for zero-copy loading.
@@ -67,10 +71,12 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
 
 
 class StreamingSafetensorsWriter:
-    """Pre-planned sharded safetensors output in `directory` (which must exist)."""
+    """Pre-planned sharded safetensors output in `directory` (which must exist). With
+    `create=False` the files must already exist, created by another writer of the same plan."""
 
-    def __init__(self, directory: Path, specs: list[TensorSpec], max_shard_bytes: int) -> None:
+    def __init__(self, directory: Path, specs: list[TensorSpec], max_shard_bytes: int, create: bool = True) -> None:
         self.directory = directory
+        self.create = create
         self.slots: dict[str, _Slot] = {}
         self._fds: dict[str, int] = {}
         shards = plan_shards(specs, max_shard_bytes)
@@ -91,10 +97,22 @@ class StreamingSafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         data_start = 8 + len(raw)
-        fd = os.open(self.directory / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._fds[file] = fd
-        os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-        os.ftruncate(fd, data_start + begin)
+        path = self.directory / file
+        if self.create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fds[file] = fd
+            os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            os.ftruncate(fd, data_start + begin)
+        else:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                raise ValueError(f"{path}: not found; the process that creates the output has not, or this one "
+                                 f"cannot see its directory (several writers need a shared filesystem)") from None
+            self._fds[file] = fd
+            if os.fstat(fd).st_size != data_start + begin:
+                raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, the plan has {data_start + begin}: "
+                                 f"created from another tensor list")
         for spec in ordered:
             offset = data_start + header[spec.name]["data_offsets"][0]  # type: ignore[index]
             self.slots[spec.name] = _Slot(spec=spec, file=file, offset=offset)
@@ -120,13 +138,20 @@ class StreamingSafetensorsWriter:
     def missing(self) -> list[str]:
         return sorted((n for n, s in self.slots.items() if not s.written), key=natural_key)
 
-    def close(self) -> None:
-        """Close the files and write the index (when sharded). Call after every tensor is written."""
+    def written_flags(self) -> list[int]:
+        """1 per tensor this writer wrote, in plan order (the same on every writer of the plan)."""
+        return [int(slot.written) for slot in self.slots.values()]
+
+    def close(self, fsync: bool = False) -> None:
+        """Close the files (after `fsync` of each, where another process commits them) and, for the
+        writer that created them, write the index (when sharded). Call after every tensor is written."""
         for fd in self._fds.values():
+            if fsync:
+                os.fsync(fd)
             os.close(fd)
         self._fds.clear()
         files = set(self.weight_map.values())
-        if len(files) > 1:
+        if self.create and len(files) > 1:
             total = sum(s.spec.nbytes for s in self.slots.values())
             weight_map = {n: self.weight_map[n] for n in sorted(self.weight_map, key=natural_key)}
             (self.directory / INDEX_FILE).write_text(

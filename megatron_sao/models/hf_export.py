@@ -15,6 +15,12 @@ callers need on top:
   rank 0 only, so that rank 0 holds at most one bucket (plus the bridge's current tensor) while it
   hands buckets to engines; the other ranks take part in the gathers and keep nothing.
 
+- owned shares (`HFWeightExporter.stream_owned`): the stream without the expert-parallel gathers.
+  Each rank yields every non-expert tensor (full, as above) and only its own experts (after any
+  expert-TP gather), and exactly one rank of the model is marked the owner of each HF tensor, so
+  the ranks can write (or send) the model in parallel, each its share, and no expert crosses the
+  EP group: `sao convert mcore-to-hf` writes this way.
+
 Memory: the bridge materialises each full tensor on every rank (its all-gathers end on all
 ranks), one tensor at a time; the largest single tensor (an embedding, or one stacked expert
 projection) bounds the extra memory per rank.
@@ -27,7 +33,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -62,6 +68,60 @@ def _waiting_for(wait_for: Callable[[torch.Tensor], None]) -> Callable[..., Iter
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+class OwnedTensor(NamedTuple):
+    name: str
+    tensor: torch.Tensor
+    owned: bool
+    """This rank is the one rank of the model that keeps this tensor (writes it, sends it)."""
+    expert_local: bool
+    """An expert of this rank's expert-parallel slice: at the same step every other EP rank yields
+    its own expert in this one's place (so the model's bytes at this step are EP x this one's)."""
+
+
+def _skip_expert_gather(mapping: Any, names: set[str]) -> None:
+    """Replace the mapping's `gather_from_ep_ranks` (and that of an `AutoMapping`'s delegate, made
+    on first use) with one that returns this rank's own expert under its global HF name (the task's
+    name already carries the global expert number), without a collective; `names` collects them."""
+
+    def own_expert(weights: torch.Tensor, module: Any, hf_param_name: str) -> dict[str, torch.Tensor]:
+        names.add(str(hf_param_name))
+        return {str(hf_param_name): weights}
+
+    mapping.gather_from_ep_ranks = own_expert
+    make_delegate = getattr(mapping, "_get_or_create_mapping", None)
+    if make_delegate is not None:
+        def patched_delegate(parallelism_type: str) -> Any:
+            delegate = make_delegate(parallelism_type)
+            _skip_expert_gather(delegate, names)
+            return delegate
+
+        mapping._get_or_create_mapping = patched_delegate
+        if getattr(mapping, "_mapping", None) is not None:
+            _skip_expert_gather(mapping._mapping, names)
+
+
+class _Owners:
+    """Who keeps each tensor of `stream_owned`: an expert, the lowest global rank of its EP rank's
+    replicas (pipeline stages, expert-TP and expert-DP ranks all hold the same experts); any other
+    tensor, the rank with the fewest such bytes so far (every rank sees the same sequence, so every
+    rank computes the same owner without talking)."""
+
+    def __init__(self, expert_parallel_rank: int) -> None:
+        self.rank, self.world = _rank(), 1
+        peers = [expert_parallel_rank]
+        if torch.distributed.is_initialized():
+            self.world = torch.distributed.get_world_size()
+            peers = [None] * self.world
+            torch.distributed.all_gather_object(peers, expert_parallel_rank)
+        self.expert_owner = min(r for r, ep in enumerate(peers) if ep == expert_parallel_rank)
+        self.loads = [0] * self.world
+
+    def owns_shared(self, nbytes: int) -> bool:
+        owner = min(range(self.world), key=lambda r: (self.loads[r], r))
+        self.loads[owner] += nbytes
+        return owner == self.rank
 
 
 class HFWeightExporter:
@@ -105,13 +165,40 @@ class HFWeightExporter:
         `cpu=False` tensors stay on the model's device (for CUDA-IPC engine payloads). `wait_for`
         is called with each local parameter before it is read (a load still filling the chunks:
         `sao convert mcore-to-hf`); it must return on every rank, or the gathers hang."""
+        for name, tensor, _ in self._stream(cpu, wait_for, gather_experts=True):
+            yield name, tensor
+
+    def stream_owned(self, cpu: bool = True,
+                     wait_for: Callable[[torch.Tensor], None] | None = None) -> Iterator[OwnedTensor]:
+        """Collective: like `stream`, but experts are not gathered across expert-parallel ranks:
+        each rank yields its own (see `OwnedTensor`), and every HF tensor of the model is `owned`
+        by exactly one rank. Fused-expert HF formats (one tensor for all experts of a layer) still
+        gather, and are then owned like any shared tensor."""
+        from megatron.core import parallel_state
+
+        owners = _Owners(parallel_state.get_expert_model_parallel_rank())
+        for name, tensor, expert_local in self._stream(cpu, wait_for, gather_experts=False):
+            owned = owners.rank == owners.expert_owner if expert_local else owners.owns_shared(tensor_nbytes(tensor))
+            yield OwnedTensor(name, tensor, owned, expert_local)
+
+    def _stream(self, cpu: bool, wait_for: Callable[[torch.Tensor], None] | None,
+                gather_experts: bool) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """(name, tensor, expert_local): see `stream` and `stream_owned`."""
         model_bridge = self.bridge._model_bridge
         hf_config = self.bridge.hf_pretrained.config
         tasks = None
-        if self.role == "critic":  # the critic's output layer is the value head, not an LM head
+        if self.role == "critic" or not gather_experts:
             unwrapped = [_unwrap(c) for c in self.chunks]
-            tasks = [t for t in model_bridge.build_conversion_tasks(hf_config, unwrapped)
-                     if t is None or not t.global_param_name.startswith("output_layer.")]
+            tasks = model_bridge.build_conversion_tasks(hf_config, unwrapped)
+        if self.role == "critic":  # the critic's output layer is the value head, not an LM head
+            tasks = [t for t in tasks if t is None or not t.global_param_name.startswith("output_layer.")]
+        expert_names: set[str] = set()
+        if not gather_experts:
+            for task in tasks:
+                mapping = task.mapping if task is not None else None
+                if (mapping is not None and mapping.is_expert and mapping.ep_size > 1
+                        and not getattr(mapping, "is_grouped_export", False)):
+                    _skip_expert_gather(mapping, expert_names)
         # A tensor the bridge neither gathers nor converts (a norm, an unsplit embedding) comes back
         # as the live parameter itself when it is already on the target device: copy those, or a
         # caller holding the export would see the next optimizer step.
@@ -124,13 +211,13 @@ class HFWeightExporter:
                 tensor = self._cast(tensor)
                 if tensor.untyped_storage().data_ptr() in live:
                     tensor = tensor.clone()
-                yield name, tensor
+                yield name, tensor, name in expert_names
         finally:
             model_bridge.__dict__.pop("_with_progress_tracking", None)
         if self.role == "critic":
             head = self._value_head(cpu, wait_for)
-            yield cf.VALUE_WEIGHT, self._cast(head)
-            yield cf.VALUE_BIAS, self._cast(torch.zeros(1, dtype=head.dtype, device=head.device))
+            yield cf.VALUE_WEIGHT, self._cast(head), False
+            yield cf.VALUE_BIAS, self._cast(torch.zeros(1, dtype=head.dtype, device=head.device)), False
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:

@@ -51,6 +51,13 @@ def raise_if_any(errors: list[str], limit: int = 8) -> None:
         raise ValueError("\n".join(merged[:limit]) + more)
 
 
+def sum_over_ranks(counts: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum of an integer vector over all ranks (in place)."""
+    if dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return counts
+
+
 def any_rank_flags(flags: torch.Tensor) -> torch.Tensor:
     """Element-wise OR of an int32 flag vector over all ranks."""
     if dist.is_initialized():

@@ -91,6 +91,32 @@ def test_streaming_writer_places_tensors_written_in_any_order(tmp_path):
     assert set(loaded) == set(tensors) and all(torch.equal(loaded[n], t) for n, t in tensors.items())
 
 
+def test_several_writers_share_the_planned_files(tmp_path):
+    """One writer creates the files, another opens them: each writes its own tensors, together
+    they make the checkpoint; only the creator writes the index; a foreign plan is refused."""
+    tensors = {f"model.layers.{i}.w": torch.full((3, i + 1), float(i)) for i in range(5)}
+    specs = [TensorSpec(n, "F32", tuple(t.shape)) for n, t in tensors.items()]
+    with pytest.raises(ValueError, match="shared filesystem"):
+        StreamingSafetensorsWriter(tmp_path, specs, max_shard_bytes=40, create=False)
+    creator = StreamingSafetensorsWriter(tmp_path, specs, max_shard_bytes=40)
+    other = StreamingSafetensorsWriter(tmp_path, specs, max_shard_bytes=40, create=False)
+    for i, (name, tensor) in enumerate(tensors.items()):
+        (creator if i % 2 else other).write(name, tensor)
+    flags = [a + b for a, b in zip(creator.written_flags(), other.written_flags(), strict=True)]
+    assert flags == [1] * len(tensors) and creator.missing() and other.missing()
+    other.close(fsync=True)
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    creator.close()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    loaded = {}
+    for file in set(index["weight_map"].values()):
+        loaded.update(load_file(tmp_path / file))
+    assert set(loaded) == set(tensors) and all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    with pytest.raises(ValueError, match="another tensor list"):
+        StreamingSafetensorsWriter(tmp_path, specs[:4] + [TensorSpec("model.layers.4.w", "F32", (3, 4))],
+                                   max_shard_bytes=40, create=False)
+
+
 def test_shards_follow_layer_order_and_respect_the_limit():
     specs = [TensorSpec(f"model.layers.{i}.w", "F32", (4,)) for i in (10, 2, 1)]
     shards = plan_shards(specs, max_shard_bytes=32)

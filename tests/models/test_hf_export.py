@@ -1,7 +1,8 @@
 """The Megatron -> HF stream of live trainer chunks (models/hf_export.py): before training it
 reproduces the HF checkpoint bit for bit, after real optimizer steps it equals what
 `sao convert mcore-to-hf` writes from the trainer's checkpoint (actor and critic), on 1 rank and
-on 2 gloo ranks (EP2; TP2 and 1 rank slow), and buckets respect their byte budget on rank 0 only."""
+on 2 gloo ranks (EP2; TP2 and 1 rank slow), and buckets respect their byte budget on rank 0 only.
+On EP2, `stream_owned` gives each rank its own experts without a gather and every tensor one owner."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def export_step_convert(hf_dir: str, overrides: list[str], work: str) -> dict[st
     before = {role: export_hf_state(r.chunks, hf_dir, role=role) for role, r in trainer.roles.items()}
     metrics = trainer.train_step(random_trajectories(4, seed=0))
     buckets = list(HFWeightExporter(trainer.actor.chunks, hf_dir).buckets(BUCKET_BYTES))
+    owned = _owned_shares(HFWeightExporter(trainer.actor.chunks, hf_dir))
     critic_after = export_hf_state(trainer.critic.chunks, hf_dir, role="critic")
     iter_dir = trainer.save_checkpoint(Path(work) / "checkpoints", final=True)
     converted = {}
@@ -39,11 +41,50 @@ def export_step_convert(hf_dir: str, overrides: list[str], work: str) -> dict[st
                                              role=role, progress=False))
         converted[role] = out
     if rank != 0:
-        return {"num_buckets": len(buckets)}
+        return {"num_buckets": len(buckets), "owned": owned}
     return {
         "before": before, "buckets": buckets, "critic_after": critic_after, "actor_applied": metrics["actor/loss"],
+        "owned": owned,
         "converted": {role: _read_dir(out) for role, out in converted.items()},
     }
+
+
+def _owned_shares(exporter: Any) -> dict[str, Any]:
+    """`stream_owned` of the exporter: what this rank yields, what it owns, and how many tensor
+    all-gathers it took (expert-parallel gathers are what it leaves out)."""
+    gathers = 0
+    all_gather = torch.distributed.all_gather
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal gathers
+        gathers += 1
+        return all_gather(*args, **kwargs)
+
+    torch.distributed.all_gather = counting
+    try:
+        items = [(item.name, item.tensor.clone(), item.owned, item.expert_local) for item in exporter.stream_owned()]
+    finally:
+        torch.distributed.all_gather = all_gather
+    return {"gathers": gathers, "yielded": [name for name, *_ in items],
+            "expert_local": sorted(name for name, _, _, local in items if local),
+            "owned": {name: tensor for name, tensor, owned, _ in items if owned}}
+
+
+def _check_owned_shares(shares: list[dict[str, Any]], after: dict[str, torch.Tensor]) -> None:
+    """EP2, 4 experts: each rank yields its own 2 experts and no other, and every tensor is owned
+    by exactly one rank, equal to the gathered stream's; no tensor all-gather (TP 1)."""
+    import re
+
+    for ep_rank, share in enumerate(shares):
+        assert share["gathers"] == 0, f"rank {ep_rank} all-gathered {share['gathers']} tensors"
+        experts = {int(re.search(r"\.experts\.(\d+)\.", n).group(1)) for n in share["yielded"] if ".experts." in n}
+        assert experts == {2 * ep_rank, 2 * ep_rank + 1}, (ep_rank, experts)
+        assert share["expert_local"] == sorted(n for n in share["yielded"] if ".experts." in n)
+    owners = [name for share in shares for name in share["owned"]]
+    assert sorted(owners) == sorted(after), "not every tensor owned by exactly one rank"
+    assert all(len(share["owned"]) > len(after) // 4 for share in shares), "one rank owns almost nothing"
+    owned = {n: t for share in shares for n, t in share["owned"].items()}
+    _assert_identical(owned, after, "owned shares (no expert gather) vs the gathered stream")
 
 
 def _read_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -92,7 +133,8 @@ def test_single_rank_stream_matches_checkpoint_then_conversion(tiny_hf_dir, tmp_
 def test_expert_parallel_stream_matches_checkpoint_then_conversion(tiny_hf_dir, tmp_path):
     results = run_distributed(export_step_convert, 2, str(tiny_hf_dir), ["parallelism.expert=2"], str(tmp_path))
     _check(results[0], tiny_hf_dir, 2)
-    assert results[1] == {"num_buckets": 0}  # buckets are built on rank 0 only
+    assert results[1]["num_buckets"] == 0  # buckets are built on rank 0 only
+    _check_owned_shares([r["owned"] for r in results], {n: t for b in results[0]["buckets"] for n, t in b.items()})
 
 
 @pytest.mark.slow
