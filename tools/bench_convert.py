@@ -14,9 +14,10 @@ posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memor
    the per-byte work no conversion avoids, hence the most one can reach on this host;
 3. for each rank count of --nproc (default 1 and 2; EP = ranks unless --ep), in fresh processes:
    `hf-to-mcore`, then `mcore-to-hf` of the result: throughput = HF bytes / seconds;
-and prints each throughput as a fraction of min(sequential read, sequential write) and, for every
-rank, the growth of its resident memory during the conversion (peak RSS reset before it,
-`checkpointing.rss`) against its shard's bytes and the I/O bucket (--io-bucket-mb).
+and prints each throughput as a fraction of min(sequential read, sequential write) and of the
+checksummed copy's, and, for every rank, the growth of its resident memory during the conversion
+(peak RSS reset before it, `checkpointing.rss`) against its shard's bytes and the I/O bucket
+(--io-bucket-mb).
 Everything is deleted at the end unless --keep.
 """
 
@@ -172,13 +173,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _report(direction: str, layout_text: str, nproc: int, model_bytes: int, bound: float, per_rank: list[dict],
-            bucket: int) -> None:
+def _report(direction: str, layout_text: str, nproc: int, model_bytes: int, bound: float, ceiling: float,
+            per_rank: list[dict], bucket: int) -> None:
     seconds = per_rank[0]["seconds"]
     speed = model_bytes / seconds
     cpu = sum(r["cpu_seconds"] for r in per_rank)
     print(f"{direction} [{layout_text}, {nproc} rank(s)]: {seconds:.2f} s = {human_bytes(speed)}/s = "
-          f"{speed / bound:.2f} x min(read, write)  ({_phases(per_rank[0])}); CPU {cpu:.1f} s over all ranks "
+          f"{speed / bound:.2f} x min(read, write) = {speed / ceiling:.2f} x the checksummed copy  "
+          f"({_phases(per_rank[0])}); CPU {cpu:.1f} s over all ranks "
           f"and threads = {cpu / (model_bytes / 1e9):.1f} CPU-s/GB, {cpu / seconds:.2f} of {os.cpu_count()} cores busy")
     for rank, r in enumerate(per_rank):
         grown = r["rss_peak"] - r["rss_start"]
@@ -252,11 +254,11 @@ def main() -> None:
             up = run_distributed(rank_job, nproc, convert_hf_to_mcore, HfToMcoreRequest(
                 hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False, io_bucket_bytes=bucket),
                 timeout_s=24 * 3600)
-            _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, up, bucket)
+            _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, model_bytes / copy_s, up, bucket)
             evict(work)
             down = run_distributed(rank_job, nproc, convert_mcore_to_hf, McoreToHfRequest(
                 mcore_dir=mcore, out_dir=hf_out, layout=layout, progress=False), timeout_s=24 * 3600)
-            _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, down, bucket)
+            _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, model_bytes / copy_s, down, bucket)
             if not args.keep:
                 shutil.rmtree(mcore, ignore_errors=True)
                 shutil.rmtree(hf_out, ignore_errors=True)
