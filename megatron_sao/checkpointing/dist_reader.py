@@ -6,7 +6,8 @@ saved as two halves, and the load's ShardedTensorFactory `torch.cat`s them back 
 for every fc1, all held until the state dict is copied into the model: ~2/3 of an MoE shard
 extra. The halves are loaded into views of the parameter, so `merge_in_place` lets the merge
 return the parameter itself. torch's FileSystemReader reads the `.distcp` files one after the
-other; `ParallelFileReader` reads them in parallel.
+other, each item through `torch.load`; `ParallelFileReader` reads them in parallel, and reads a
+tensor item straight into its target where it can (`distcp_items`).
 
 With a `FillTracker`, `CountingLoadStrategy` returns as soon as the load is planned (every
 collective of `dist_checkpointing.load` has run by then) and reads on a thread: each parameter is
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -41,9 +43,10 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 from torch.distributed import checkpoint
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from megatron_sao.checkpointing.distcp_items import storage_range
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 
 OnBytes = Callable[[int], None]
@@ -92,13 +95,18 @@ class _CountingLoadPlanner(MCoreLoadPlanner):
 
 class ParallelFileReader(FileSystemReader):
     """torch's FileSystemReader with one thread per file (up to `thread_count`), each reading its
-    file's items in offset order. torch reads the files one after the other, each item through
-    `torch.load` and a copy into its target: CPU work the disk waits for, which two threads
-    overlap with each other (the copies run without the GIL)."""
+    file's items in offset order, and each tensor item that is its target's whole chunk read with
+    `preadv` straight into the target (`distcp_items.storage_range`) instead of `torch.load` plus a
+    copy (~7x less CPU per byte); other items (a slice of a saved chunk when the layout changed, a
+    dtype change, objects) go through torch's reader as before. torch reads the files one after
+    the other; the threads overlap one file's CPU work with the other's disk reads."""
 
     def __init__(self, path: str | Path, thread_count: int) -> None:
         super().__init__(path)
         self.thread_count = max(1, thread_count)
+        self.raw_items = 0
+        """Tensor items read straight into their target (the rest: `torch.load`)."""
+        self._count_lock = threading.Lock()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: dict[str, list[Any]] = {}
@@ -119,7 +127,40 @@ class ParallelFileReader(FileSystemReader):
         return done
 
     def _read_file(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        FileSystemReader.read_data(self, plan, planner).wait()
+        relative = self.storage_data[plan.items[0].storage_index].relative_path
+        path = os.path.join(self.path, relative)
+        rest = []
+        with open(path, "rb", buffering=0) as file:
+            for item in plan.items:
+                if not self._read_raw(file.fileno(), path, item, planner):
+                    rest.append(item)
+        with self._count_lock:
+            self.raw_items += len(plan.items) - len(rest)
+        if rest:
+            FileSystemReader.read_data(self, dataclasses.replace(plan, items=rest), planner).wait()
+
+    def _read_raw(self, fd: int, path: str, item: ReadItem, planner: LoadPlanner) -> bool:
+        """Read `item` straight into its target if it is the target's whole saved chunk."""
+        info = self.storage_data[item.storage_index]
+        if item.type == LoadItemType.BYTE_IO or info.transform_descriptors or any(item.storage_offsets):
+            return False
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != tuple(item.lengths):
+            return False
+        start = storage_range(fd, info.offset, info.length, target.dtype, tuple(item.lengths))
+        if start is None:
+            return False
+        buffer = target if target.is_contiguous() else torch.empty_like(target, memory_format=torch.contiguous_format)
+        view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+        while view:
+            n = os.preadv(fd, [view], start)
+            if n <= 0:
+                raise OSError(f"{path}: ends inside tensor item {item.storage_index.fqn!r}: truncated file")
+            view, start = view[n:], start + n
+        if buffer is not target:
+            target.copy_(buffer)
+        planner.commit_tensor(item, target)
+        return True
 
 
 class BackgroundLoad:

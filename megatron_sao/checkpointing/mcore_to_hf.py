@@ -284,7 +284,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
             overlapped = load.background is not None
             exporter = HFWeightExporter(chunks, view, role=plan.role)
             try:
-                for item in exporter.stream_owned(cpu=True, wait_for=load.tracker.wait):
+                for item in exporter.stream_owned(cpu=True, wait_for=load.tracker.wait, may_alias=True):
                     # The exporter always appends a zero score.bias; a critic saved without one has none.
                     if not (item.name == cf.VALUE_BIAS and item.name not in sink.by_name):
                         sink.take(item)

@@ -165,24 +165,26 @@ class HFWeightExporter:
         `cpu=False` tensors stay on the model's device (for CUDA-IPC engine payloads). `wait_for`
         is called with each local parameter before it is read (a load still filling the chunks:
         `sao convert mcore-to-hf`); it must return on every rank, or the gathers hang."""
-        for name, tensor, _ in self._stream(cpu, wait_for, gather_experts=True):
+        for name, tensor, _ in self._stream(cpu, wait_for, gather_experts=True, copy_live=True):
             yield name, tensor
 
-    def stream_owned(self, cpu: bool = True,
-                     wait_for: Callable[[torch.Tensor], None] | None = None) -> Iterator[OwnedTensor]:
+    def stream_owned(self, cpu: bool = True, wait_for: Callable[[torch.Tensor], None] | None = None,
+                     may_alias: bool = False) -> Iterator[OwnedTensor]:
         """Collective: like `stream`, but experts are not gathered across expert-parallel ranks:
         each rank yields its own (see `OwnedTensor`), and every HF tensor of the model is `owned`
         by exactly one rank. Fused-expert HF formats (one tensor for all experts of a layer) still
-        gather, and are then owned like any shared tensor."""
+        gather, and are then owned like any shared tensor. With `may_alias`, a tensor may be (a view
+        of) a live parameter instead of a copy: for a consumer done with it before the model
+        changes (a conversion writing it out), which then saves a copy of every local expert."""
         from megatron.core import parallel_state
 
         owners = _Owners(parallel_state.get_expert_model_parallel_rank())
-        for name, tensor, expert_local in self._stream(cpu, wait_for, gather_experts=False):
+        for name, tensor, expert_local in self._stream(cpu, wait_for, gather_experts=False, copy_live=not may_alias):
             owned = owners.rank == owners.expert_owner if expert_local else owners.owns_shared(tensor_nbytes(tensor))
             yield OwnedTensor(name, tensor, owned, expert_local)
 
-    def _stream(self, cpu: bool, wait_for: Callable[[torch.Tensor], None] | None,
-                gather_experts: bool) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    def _stream(self, cpu: bool, wait_for: Callable[[torch.Tensor], None] | None, gather_experts: bool,
+                copy_live: bool) -> Iterator[tuple[str, torch.Tensor, bool]]:
         """(name, tensor, expert_local): see `stream` and `stream_owned`."""
         model_bridge = self.bridge._model_bridge
         hf_config = self.bridge.hf_pretrained.config
@@ -202,7 +204,7 @@ class HFWeightExporter:
         # A tensor the bridge neither gathers nor converts (a norm, an unsplit embedding) comes back
         # as the live parameter itself when it is already on the target device: copy those, or a
         # caller holding the export would see the next optimizer step.
-        live = {p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()}
+        live = {p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()} if copy_live else set()
         if wait_for is not None:
             model_bridge._with_progress_tracking = _waiting_for(wait_for)
         try:

@@ -113,7 +113,7 @@ def test_several_writers_share_the_planned_files(tmp_path):
         loaded.update(load_file(tmp_path / file))
     assert set(loaded) == set(tensors) and all(torch.equal(loaded[n], t) for n, t in tensors.items())
     with pytest.raises(ValueError, match="another tensor list"):
-        StreamingSafetensorsWriter(tmp_path, specs[:4] + [TensorSpec("model.layers.4.w", "F32", (3, 4))],
+        StreamingSafetensorsWriter(tmp_path, [*specs[:4], TensorSpec("model.layers.4.w", "F32", (3, 4))],
                                    max_shard_bytes=40, create=False)
 
 
