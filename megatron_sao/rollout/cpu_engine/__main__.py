@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -94,19 +95,27 @@ def serve(config: CPUEngineConfig, log_level: str = "warning") -> None:
             if self.started:
                 print(f"ready on http://{config.host}:{config.port}", file=console_out(), flush=True)
 
+        interrupted = False
+
         def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
             # The scheduler stops after its current step and answers every request in flight (503),
             # so the graceful shutdown that follows has nothing to wait for.
             engine.scheduler.request_stop()
+            self.interrupted = self.interrupted or sig == signal.SIGINT
             super().handle_exit(sig, frame)
 
     uv_config = uvicorn.Config(create_app(engine), host=config.host, port=config.port, log_level=log_level,
                                lifespan="off", timeout_graceful_shutdown=5)
+    server = EngineServer(uv_config)
     engine.start()
     try:
-        EngineServer(uv_config).run()
+        server.run()
     finally:
         engine.stop()
+    # uvicorn re-raises the SIGINT it handled once it is done, but asyncio's runner can absorb it
+    # when the serving task ends in the same step (seen under load: exit code 0 instead of 130)
+    if server.interrupted:
+        raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
