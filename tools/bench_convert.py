@@ -9,7 +9,9 @@ posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memor
    --shape small, layer count scaled to --size-gb; config and tensor list from transformers, data
    random, written tensor by tensor);
 2. sequential read of its safetensors files (16 MB reads): the disk's read speed R; and, for
-   context, a sequential write of as many bytes with fsync (conversions write what they read);
+   context, a sequential write of as many bytes with fsync (conversions write what they read),
+   written the way conversions write (O_DIRECT where the filesystem takes it, `direct_io`) and,
+   printed beside it, through the page cache;
    then a checksummed copy of the files (read, the manifest's digest, write, fsync; two threads):
    the per-byte work no conversion avoids, hence the most one can reach on this host;
 3. for each rank count of --nproc (default 1 and 2; EP = ranks unless --ep), in fresh processes:
@@ -24,6 +26,7 @@ Everything is deleted at the end unless --keep.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import resource
 import shutil
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing.digest import DEFAULT as DEFAULT_DIGEST
-from megatron_sao.checkpointing.digest import new_hasher
+from megatron_sao.checkpointing.direct_io import direct_io_enabled, hashing_file, open_direct
 from megatron_sao.checkpointing.hf_files import TORCH_TO_ST, expected_hf_tensors
 from megatron_sao.checkpointing.output_dir import human_bytes
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
@@ -125,14 +128,21 @@ def warm_imports() -> float:
     return time.monotonic() - start
 
 
-def sequential_write(path: Path, nbytes: int) -> float:
-    """Seconds to write `nbytes` to `path` in 16 MB blocks and fsync (the file is removed)."""
-    block = os.urandom(_READ_BLOCK)
+def sequential_write(path: Path, nbytes: int, direct: bool) -> float:
+    """Seconds to write `nbytes` to `path` in 16 MB blocks and fsync (the file is removed); with
+    `direct`, the way conversions write (`direct_io`: O_DIRECT where the filesystem takes it)."""
+    block = mmap.mmap(-1, _READ_BLOCK)  # page-aligned, as O_DIRECT needs
+    block.write(os.urandom(_READ_BLOCK))
+    fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if direct else None
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     start = time.monotonic()
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(max(1, nbytes // _READ_BLOCK)):
-            f.write(block)
-        os.fsync(f.fileno())
+    try:
+        for i in range(max(1, nbytes // _READ_BLOCK)):
+            os.pwrite(fd, block, i * _READ_BLOCK)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     seconds = time.monotonic() - start
     path.unlink()
     return seconds
@@ -140,29 +150,28 @@ def sequential_write(path: Path, nbytes: int) -> float:
 
 def checksummed_copy(files: list[Path], destination: Path, algorithm: str = DEFAULT_DIGEST) -> float:
     """Seconds to copy `files` into one file with the manifest's digest of every byte and fsync,
-    reading and writing in two threads: what any conversion must at least do per byte (read, hash,
-    write), and so the most a conversion can reach on this host (the file is removed)."""
+    reading and writing in two threads, written the way conversions write (`direct_io.hashing_file`):
+    what any conversion must at least do per byte (read, hash, write), and so the most a conversion
+    can reach on this host (the file is removed)."""
     import queue
     import threading
 
     blocks: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
-    digest = new_hasher(algorithm)
 
     def read() -> None:
         for path in files:
             with open(path, "rb", buffering=0) as f:
                 while block := f.read(_READ_BLOCK):
-                    digest.update(block)
                     blocks.put(block)
         blocks.put(None)
 
     start = time.monotonic()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    with open(destination, "wb", buffering=0) as out:
-        while (block := blocks.get()) is not None:
-            out.write(block)
-        os.fsync(out.fileno())
+    out = hashing_file(destination, algorithm)
+    while (block := blocks.get()) is not None:
+        out.write(block)
+    out.finish()
     reader.join()
     seconds = time.monotonic() - start
     destination.unlink()
@@ -208,6 +217,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args()
 
+    from megatron_sao.checkpointing.allocator import with_reused_buffers
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
     from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
     from megatron_sao.checkpointing.model_setup import Layout
@@ -232,10 +242,13 @@ def main() -> None:
         read_bytes, read_s = sequential_read(files)
         read_speed = read_bytes / read_s
         print(f"sequential read: {human_bytes(read_bytes)} in {read_s:.2f} s = {human_bytes(read_speed)}/s")
-        write_s = sequential_write(work / "write_probe", model_bytes)
+        buffered_s = sequential_write(work / "write_probe", model_bytes, direct=False)
+        write_s = sequential_write(work / "write_probe", model_bytes, direct=True)
         write_speed = model_bytes / write_s
+        how = "O_DIRECT, as conversions write" if direct_io_enabled() else "through the page cache"
         print(f"sequential write (+fsync): {human_bytes(model_bytes)} in {write_s:.2f} s = "
-              f"{human_bytes(write_speed)}/s")
+              f"{human_bytes(write_speed)}/s ({how}; through the page cache: {buffered_s:.2f} s = "
+              f"{human_bytes(model_bytes / buffered_s)}/s)")
         bound = min(read_speed, write_speed)
         print(f"bound min(read, write) = {human_bytes(bound)}/s (a conversion writes as many bytes as it reads)")
         evict(work)
@@ -251,12 +264,12 @@ def main() -> None:
             layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep if args.ep is not None else nproc)
             mcore, hf_out = work / f"mcore_{nproc}", work / f"hf_out_{nproc}"
             evict(work)
-            up = run_distributed(rank_job, nproc, convert_hf_to_mcore, HfToMcoreRequest(
+            up = run_distributed(rank_job, nproc, partial(with_reused_buffers, convert_hf_to_mcore), HfToMcoreRequest(
                 hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False, io_bucket_bytes=bucket),
                 timeout_s=24 * 3600)
             _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, model_bytes / copy_s, up, bucket)
             evict(work)
-            down = run_distributed(rank_job, nproc, convert_mcore_to_hf, McoreToHfRequest(
+            down = run_distributed(rank_job, nproc, partial(with_reused_buffers, convert_mcore_to_hf), McoreToHfRequest(
                 mcore_dir=mcore, out_dir=hf_out, layout=layout, progress=False), timeout_s=24 * 3600)
             _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, model_bytes / copy_s, down, bucket)
             if not args.keep:

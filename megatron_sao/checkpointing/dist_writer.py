@@ -12,7 +12,8 @@ Measured on Megatron-Core 0.19.2 (docs/conversion.md#memory-and-streaming):
 files and metadata: any torch_dist reader reads the result) with `StreamingWriter`, whose threads
 each write one file item by item, staging (cloning, or copying to host) an item only just before
 writing it and only while a shared byte budget (the I/O bucket) allows. Each thread hashes its file
-as it writes (`writeback.HashingFile`) and starts its write-back item by item. Given a `fill`
+as it writes (`direct_io.hashing_file`: O_DIRECT where the filesystem takes it, else through the
+page cache with its write-back started item by item). Given a `fill`
 function and its `FillTracker`, the strategy plans the save (shapes only), starts the writers, and
 runs `fill` (a conversion's load) on the calling thread while they write: each writer waits for
 each item's tensor to be filled, and writes its items in fill order. The load side is `dist_reader`.
@@ -49,8 +50,8 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.utils.serialization import config as serialization_config
 
+from megatron_sao.checkpointing.direct_io import hashing_file
 from megatron_sao.checkpointing.fill_tracker import FillTracker
-from megatron_sao.checkpointing.writeback import HashingFile
 
 OnBytes = Callable[[int], None]
 
@@ -117,7 +118,7 @@ class StreamingWriter(FileSystemWriterAsync):
         self.on_bytes = on_bytes
         self.tracker = tracker
         self.files: dict[str, tuple[int, str]] = {}
-        """file name -> (bytes, digest hex) of the files this rank wrote (`HashingFile`)."""
+        """file name -> (bytes, digest hex) of the files this rank wrote (`hashing_file`)."""
         self.planned_bytes = 0
         self._results: list[Any] = []
         self._failed = threading.Event()
@@ -173,7 +174,7 @@ class StreamingWriter(FileSystemWriterAsync):
         # it (torch.load does not); the file's digest computed while writing covers every byte.
         # The setting is per thread.
         serialization_config.save.compute_crc32 = False
-        stream = HashingFile(path)
+        stream = hashing_file(path)
         try:
             for item, obj in data:
                 if self._failed.is_set():

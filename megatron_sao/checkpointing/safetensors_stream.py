@@ -3,8 +3,9 @@
 megatron-bridge yields exported tensors one at a time in its own order. Buffering a shard's worth
 before writing would hold gigabytes; instead every tensor's place is planned up front from the
 known name/dtype/shape list (the manifest), each shard file is created at its final size with its
-header, and each arriving tensor is written straight to its offset, whose write-back to disk
-starts at once (`writeback.start_writeback`), overlapping the export of the next. Memory: one tensor.
+header, and each arriving tensor is written straight to its offset (`direct_io.PositionalWriter`:
+its whole blocks with O_DIRECT where the filesystem takes it, the rest through the page cache with
+its write-back started at once), overlapping the export of the next. Memory: one tensor.
 
 Several writers can share the files: the layout is a pure function of the tensor list, so one
 process creates the files (`create=True`) and the others open them (`create=False`) and write
@@ -26,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_sao.checkpointing.direct_io import PositionalWriter
 from megatron_sao.checkpointing.hf_files import INDEX_FILE, ST_TO_TORCH, TORCH_TO_ST
-from megatron_sao.checkpointing.writeback import start_writeback
 
 
 def natural_key(name: str) -> list[object]:
@@ -79,6 +80,7 @@ class StreamingSafetensorsWriter:
         self.create = create
         self.slots: dict[str, _Slot] = {}
         self._fds: dict[str, int] = {}
+        self._writers: dict[str, PositionalWriter] = {}
         shards = plan_shards(specs, max_shard_bytes)
         count = len(shards)
         self.weight_map: dict[str, str] = {}
@@ -113,6 +115,7 @@ class StreamingSafetensorsWriter:
             if os.fstat(fd).st_size != data_start + begin:
                 raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, the plan has {data_start + begin}: "
                                  f"created from another tensor list")
+        self._writers[file] = PositionalWriter(path, fd)
         for spec in ordered:
             offset = data_start + header[spec.name]["data_offsets"][0]  # type: ignore[index]
             self.slots[spec.name] = _Slot(spec=spec, file=file, offset=offset)
@@ -127,11 +130,7 @@ class StreamingSafetensorsWriter:
         assert TORCH_TO_ST[tensor.dtype] == slot.spec.dtype and tuple(tensor.shape) == slot.spec.shape, (
             name, tensor.dtype, tuple(tensor.shape), slot.spec)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        view, offset = memoryview(data), slot.offset
-        while view:
-            n = os.pwrite(self._fds[slot.file], view, offset)
-            view, offset = view[n:], offset + n
-        start_writeback(self._fds[slot.file], slot.offset, slot.spec.nbytes)
+        self._writers[slot.file].write(memoryview(data), slot.offset)
         slot.written = True
         return slot.spec.nbytes
 
@@ -145,6 +144,7 @@ class StreamingSafetensorsWriter:
     def close(self, fsync: bool = False) -> None:
         """Close the files (after `fsync` of each, where another process commits them) and, for the
         writer that created them, write the index (when sharded). Call after every tensor is written."""
+        self._close_writers()
         for fd in self._fds.values():
             if fsync:
                 os.fsync(fd)
@@ -157,7 +157,13 @@ class StreamingSafetensorsWriter:
             (self.directory / INDEX_FILE).write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
+    def _close_writers(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
     def abort(self) -> None:
+        self._close_writers()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
