@@ -217,7 +217,6 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args()
 
-    from megatron_sao.checkpointing.allocator import with_reused_buffers
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
     from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
     from megatron_sao.checkpointing.model_setup import Layout
@@ -264,12 +263,12 @@ def main() -> None:
             layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep if args.ep is not None else nproc)
             mcore, hf_out = work / f"mcore_{nproc}", work / f"hf_out_{nproc}"
             evict(work)
-            up = run_distributed(rank_job, nproc, partial(with_reused_buffers, convert_hf_to_mcore), HfToMcoreRequest(
+            up = run_distributed(rank_job, nproc, convert_hf_to_mcore, HfToMcoreRequest(
                 hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False, io_bucket_bytes=bucket),
                 timeout_s=24 * 3600)
             _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, model_bytes / copy_s, up, bucket)
             evict(work)
-            down = run_distributed(rank_job, nproc, partial(with_reused_buffers, convert_mcore_to_hf), McoreToHfRequest(
+            down = run_distributed(rank_job, nproc, convert_mcore_to_hf, McoreToHfRequest(
                 mcore_dir=mcore, out_dir=hf_out, layout=layout, progress=False), timeout_s=24 * 3600)
             _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, model_bytes / copy_s, down, bucket)
             if not args.keep:

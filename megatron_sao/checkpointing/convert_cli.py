@@ -15,10 +15,8 @@ import argparse
 import logging
 import os
 import re
-from functools import partial
 from pathlib import Path
 
-from megatron_sao.checkpointing.allocator import with_reused_buffers
 from megatron_sao.checkpointing.families import FAMILIES
 from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.utils.console import console_out, log_path_for, run_command
@@ -113,7 +111,7 @@ def _run_hf_to_mcore(args: argparse.Namespace) -> int:
                                overwrite=args.overwrite, seed=args.seed, value_head_init_std=args.value_head_init_std,
                                progress=not args.no_progress, io_bucket_bytes=int(args.io_bucket_mb * 2**20),
                                io_threads=args.io_threads)
-    rank, result = run_collective(partial(with_reused_buffers, convert_hf_to_mcore), args.nproc, request)
+    rank, result = run_collective(convert_hf_to_mcore, args.nproc, request)
     lines = [*notes]
     head = result["value_head"] or {}
     if head.get("initialized"):
@@ -137,7 +135,7 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
         hf_config_dir=Path(args.hf_config) if args.hf_config else None, layout=_layout(args), role=args.role,
         dtype=args.dtype, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
         verify_checksums=args.verify_checksums, progress=not args.no_progress)
-    rank, result = run_collective(partial(with_reused_buffers, convert_mcore_to_hf), args.nproc, request)
+    rank, result = run_collective(convert_mcore_to_hf, args.nproc, request)
     _report(rank, [*notes, f"mcore-to-hf: {result['summary']}"])
     return 0
 

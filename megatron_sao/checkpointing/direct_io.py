@@ -1,4 +1,4 @@
-"""Checkpoint writes that bypass the page cache (O_DIRECT) where the filesystem takes them.
+"""Checkpoint reads and writes that bypass the page cache (O_DIRECT) where the filesystem takes them.
 
 Measured on the 2-core Firecracker VM CI runs on (docs/conversion.md#direct-writes): `dd` of 1 GB
 with fsync takes 3.3 s wall and 3.0 CPU-s in the kernel through the page cache, 0.7 s and 0.15
@@ -13,10 +13,13 @@ fresh pages to fault in):
   direct, its unaligned head and tail through the page cache, on a second descriptor. Blocks are
   never shared between the two paths (alignment is at least the page size), so the kernel keeps
   them coherent; the final fsync covers both.
+- `pread_whole_blocks`: bytes at any offset, read as the whole blocks around them into a new
+  aligned buffer (HF tensors in `hf_reader`): no page-cache pages, which on that VM cost like any
+  fresh memory (each is faulted in from the host).
 
 Where the filesystem refuses O_DIRECT (tmpfs, some FUSE and network filesystems: EINVAL at open or
-at the first write), writes go through the page cache as before. `SAO_DIRECT_IO=0` turns direct
-writes off.
+at the first read or write), I/O goes through the page cache as before. `SAO_DIRECT_IO=0` turns
+direct I/O off.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import os
 import threading
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from megatron_sao.checkpointing.digest import DEFAULT as DEFAULT_DIGEST
 from megatron_sao.checkpointing.digest import new_hasher
@@ -223,3 +228,30 @@ class PositionalWriter:
             if self._bounce is not None:
                 self._bounce.close()
                 self._bounce = None
+
+
+def pread_whole_blocks(fd: int, offset: int, nbytes: int) -> torch.Tensor | None:
+    """Bytes [offset, offset + nbytes) of the O_DIRECT descriptor `fd` as a uint8 tensor (a view
+    into a new buffer holding the whole blocks around them); None where the filesystem refuses the
+    read (EINVAL) or returns a short one before the end of the file (the caller reads through the
+    page cache instead). A file shorter than the range raises ValueError."""
+    start, stop = _align_down(offset), _align_up(offset + nbytes)
+    raw = torch.empty(stop - start + ALIGN, dtype=torch.uint8)
+    pad = -raw.data_ptr() % ALIGN
+    window = raw[pad:pad + stop - start]
+    view = memoryview(window.numpy())
+    done, wanted = 0, offset + nbytes - start
+    while done < wanted:
+        if done % ALIGN:
+            return None  # a short read mid-file: the next one would be unaligned
+        try:
+            n = os.preadv(fd, [view[done:]], start + done)
+        except OSError as error:
+            if error.errno in _REFUSED:
+                return None
+            raise
+        if n == 0:
+            raise ValueError(f"file ends at {start + done} bytes, inside the range [{offset}, {offset + nbytes})")
+        done += n
+    return window[offset - start:offset - start + nbytes]
+

@@ -6,9 +6,12 @@ take turns, so the disk idles while the CPU converts and the other way round. `P
 is a megatron-bridge `StateSource` that is told the order the tasks will ask (`start`) and reads
 ahead in a thread, never more than `bucket_bytes` ahead (a larger tensor is read alone), with
 `preadv` straight into the tensor's memory: no mmap, so no file pages counted in the process's
-resident memory, and one read per tensor. A rank reads only the tensors its own tasks ask for
-(on N ranks, its shard's). A tensor asked for before the thread got to it (or a second time) is
-read on the spot; a prefetched one never asked for only stalls read-ahead, never the conversion.
+resident memory, and one read per tensor; with O_DIRECT where the filesystem takes it
+(`direct_io.pread_whole_blocks`: the whole blocks around the tensor, into an aligned buffer the
+tensor views), so no page-cache pages are allocated for bytes read once. A rank reads only the
+tensors its own tasks ask for (on N ranks, its shard's). A tensor asked for before the thread got
+to it (or a second time) is read on the spot; a prefetched one never asked for only stalls
+read-ahead, never the conversion.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from functools import partial
 
 import torch
 
+from megatron_sao.checkpointing.direct_io import open_direct, pread_whole_blocks
 from megatron_sao.checkpointing.hf_files import HFCheckpoint, TensorInfo
 from megatron_sao.models.bridge_compat import import_auto_bridge
 
@@ -59,6 +63,8 @@ class PrefetchingSource(StateSource):
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._fds: dict[str, int] = {}
+        self._direct_fds: dict[str, int | None] = {}
+        self._refused_fds: list[int] = []
         self._fd_lock = threading.Lock()
 
     # ---- StateSource ------------------------------------------------------------------------
@@ -85,9 +91,12 @@ class PrefetchingSource(StateSource):
         if self._thread is not None:
             self._thread.join()
         with self._fd_lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for fd in [*self._fds.values(), *self._direct_fds.values(), *self._refused_fds]:
+                if fd is not None:
+                    os.close(fd)
             self._fds.clear()
+            self._direct_fds.clear()
+            self._refused_fds.clear()
 
     def _take(self, key: str) -> torch.Tensor:
         with self._cond:
@@ -138,7 +147,36 @@ class PrefetchingSource(StateSource):
                 self._fds[file] = os.open(self.checkpoint.path / file, os.O_RDONLY)
             return self._fds[file]
 
+    def _direct_fd(self, file: str) -> int | None:
+        with self._fd_lock:
+            if file not in self._direct_fds:
+                self._direct_fds[file] = open_direct(self.checkpoint.path / file, os.O_RDONLY)
+            return self._direct_fds[file]
+
+    def _read_direct(self, info: TensorInfo) -> torch.Tensor | None:
+        """The tensor read past the page cache, or None where that cannot be done for it."""
+        if info.nbytes == 0 or info.offset % info.torch_dtype.itemsize:
+            return None  # (a dtype view of the buffer needs the tensor's offset aligned to its elements)
+        fd = self._direct_fd(info.file)
+        if fd is None:
+            return None
+        try:
+            raw = pread_whole_blocks(fd, info.offset, info.nbytes)
+        except ValueError:
+            raise ValueError(f"{self.checkpoint.path / info.file}: truncated while reading {info.name!r} "
+                             f"(the file changed since it was checked)") from None
+        if raw is None:  # refused: this file is read through the page cache from now on
+            with self._fd_lock:
+                self._direct_fds[info.file] = None
+                self._refused_fds.append(fd)  # closed by `close`: another thread may be reading it
+        return raw
+
     def _read(self, info: TensorInfo) -> torch.Tensor:
+        raw = self._read_direct(info)
+        if raw is not None:
+            if self.on_bytes is not None:
+                self.on_bytes(info.nbytes)
+            return raw.view(info.torch_dtype).reshape(info.shape)
         raw = torch.empty(info.nbytes, dtype=torch.uint8)
         view = memoryview(raw.numpy())
         fd, done = self._fd(info.file), 0

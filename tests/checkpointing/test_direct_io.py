@@ -7,8 +7,6 @@ import errno
 import fcntl
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -130,27 +128,3 @@ def test_positional_writes_from_two_writers_land_exactly(direct_dir, small_bounc
     if refuse:
         assert refused
 
-
-def test_freed_buffers_are_reused_instead_of_faulted_in_again():
-    """In a fresh process: 20 rounds of allocating, touching and freeing a 8 MB tensor fault in
-    fresh pages every round under glibc's defaults, and only in the first round after
-    `reuse_freed_buffers`."""
-    script = """
-import resource, torch
-from megatron_sao.checkpointing.allocator import reuse_freed_buffers
-def faults():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        t = torch.empty(8 * 2**20, dtype=torch.uint8)
-        t.fill_(1)
-        del t
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-default = faults()
-assert reuse_freed_buffers()
-print(default, faults())
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    default, reused = map(int, out.stdout.split())
-    pages = 8 * 2**20 // os.sysconf("SC_PAGE_SIZE")
-    assert default >= 4 * pages, (default, reused)  # glibc adapts after a few rounds, not for all of them
-    assert reused <= pages, (default, reused)

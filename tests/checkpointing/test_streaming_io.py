@@ -144,3 +144,67 @@ def test_hashing_file_hashes_what_it_writes(tmp_path):
     size, digest = stream.finish()
     data = (tmp_path / "f").read_bytes()
     assert size == len(data) == 3021 and digest == xxhash.xxh3_128(data).hexdigest()
+
+
+def _refuse_direct_reads(monkeypatch) -> list[int]:
+    """Every read of an O_DIRECT descriptor fails with EINVAL, as on filesystems that accept the
+    open but not the I/O; returns the refusals."""
+    import errno
+    import fcntl
+    import os
+
+    from megatron_sao.checkpointing import direct_io
+
+    refused: list[int] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "direct I/O refused")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "preadv", preadv)
+    return refused
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_tensors_read_past_the_page_cache_or_through_it_are_exact(checkpoint, monkeypatch, refuse):
+    """Direct reads take the whole blocks around each tensor (offsets here are not block-aligned);
+    a filesystem refusing them at read time gets buffered reads for the rest of the file."""
+    import os
+
+    from megatron_sao.checkpointing.direct_io import open_direct
+    from megatron_sao.checkpointing.hf_reader import PrefetchingSource
+
+    probe = open_direct(checkpoint.path / "model.safetensors", os.O_RDONLY)
+    if probe is None:
+        pytest.skip("the filesystem refuses O_DIRECT")
+    os.close(probe)
+    refused = _refuse_direct_reads(monkeypatch) if refuse else []
+    reference = _reference(checkpoint)
+    source = PrefetchingSource(checkpoint, bucket_bytes=KB)
+    try:
+        got = {name: source.load_tensors([name])[name] for name in reference}
+        direct_fd = source._direct_fds["model.safetensors"]
+    finally:
+        source.close()
+    for name, tensor in reference.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert (direct_fd is None) == refuse
+    assert len(refused) == (1 if refuse else 0)  # refused once, then the page cache for this file
+
+
+def test_a_file_cut_short_after_its_check_is_named_with_the_tensor(checkpoint):
+    from megatron_sao.checkpointing.hf_reader import PrefetchingSource
+
+    path = checkpoint.path / "model.safetensors"
+    info = checkpoint.tensors["big"]
+    with open(path, "r+b") as f:
+        f.truncate(info.offset + info.nbytes // 2)
+    source = PrefetchingSource(checkpoint, bucket_bytes=KB)
+    try:
+        with pytest.raises(ValueError, match=r"model\.safetensors: truncated while reading 'big' \(the file changed"):
+            source.load_tensors(["big"])
+    finally:
+        source.close()
