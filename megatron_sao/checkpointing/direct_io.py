@@ -1,6 +1,6 @@
 """Checkpoint reads and writes that bypass the page cache (O_DIRECT) where the filesystem takes them.
 
-Measured on the 2-core Firecracker VM CI runs on (docs/conversion.md#direct-writes): `dd` of 1 GB
+Measured on the 2-core Firecracker VM CI runs on (docs/conversion.md#direct-io): `dd` of 1 GB
 with fsync takes 3.3 s wall and 3.0 CPU-s in the kernel through the page cache, 0.7 s and 0.15
 CPU-s with O_DIRECT. Conversions there are CPU-bound, and the buffered write was half of
 hf-to-mcore's CPU. O_DIRECT needs the file offset, the length and the memory address aligned to
