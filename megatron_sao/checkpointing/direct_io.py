@@ -39,7 +39,7 @@ from megatron_sao.checkpointing.digest import new_hasher
 from megatron_sao.checkpointing.writeback import HashingFile, start_writeback
 
 ALIGN = max(4096, mmap.PAGESIZE)
-"""Block size direct writes are aligned to: every common logical block size divides it, and no page
+"""Block size direct I/O is aligned to: every common logical block size divides it, and no page
 holds both directly and buffered written bytes."""
 BOUNCE_BYTES = 8 * 2**20
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
@@ -50,7 +50,7 @@ def direct_io_enabled() -> bool:
 
 
 def open_direct(path: str | Path, flags: int, mode: int = 0o644) -> int | None:
-    """`os.open` with O_DIRECT; None where direct writes are off or the filesystem refuses them."""
+    """`os.open` with O_DIRECT; None where direct I/O is off or the filesystem refuses it."""
     if not direct_io_enabled():
         return None
     try:
