@@ -52,6 +52,7 @@ from torch.utils.serialization import config as serialization_config
 
 from megatron_sao.checkpointing.direct_io import hashing_file
 from megatron_sao.checkpointing.fill_tracker import FillTracker
+from megatron_sao.checkpointing.page_release import release_pages
 
 OnBytes = Callable[[int], None]
 
@@ -112,11 +113,18 @@ class StreamingWriter(FileSystemWriterAsync):
     """One file per thread, written item by item; see the module docstring."""
 
     def __init__(self, path: str | Path, thread_count: int, budget: ByteBudget, on_bytes: OnBytes | None,
-                 tracker: FillTracker | None = None) -> None:
+                 tracker: FillTracker | None = None, release_written: bool = False) -> None:
         super().__init__(str(path), thread_count=thread_count)
+        if release_written and tracker is None:
+            raise ValueError("release_written needs the tracker: it names the tensor each item belongs to")
         self.budget = budget
         self.on_bytes = on_bytes
         self.tracker = tracker
+        self.release_written = release_written
+        self.released_bytes = 0
+        """Bytes of memory given back to the OS after their tensors were written (`release_written`)."""
+        self._unwritten_items: dict[int, int] = {}
+        self._release_lock = threading.Lock()
         self.files: dict[str, tuple[int, str]] = {}
         """file name -> (bytes, digest hex) of the files this rank wrote (`hashing_file`)."""
         self.planned_bytes = 0
@@ -137,6 +145,12 @@ class StreamingWriter(FileSystemWriterAsync):
                 self.write_buckets.append((os.path.join(self.checkpoint_dir, name), name, data))
         self.planned_bytes = sum(_nbytes(obj) for _, _, data in self.write_buckets for item, obj in data
                                  if item.type != WriteItemType.BYTE_IO)
+        if self.release_written:
+            for _, _, data in self.write_buckets:
+                for item, obj in data:
+                    span = self.tracker.span(obj) if item.type != WriteItemType.BYTE_IO and obj.numel() else None
+                    if span is not None:
+                        self._unwritten_items[span] = self._unwritten_items.get(span, 0) + 1
         self.results_queue = None
 
     def write_all(self) -> None:
@@ -192,6 +206,8 @@ class StreamingWriter(FileSystemWriterAsync):
                     staged = tensor.clone() if on_host and copy else tensor.to("cpu")
                     results.append(_write_item(*transforms, stream, staged, item, name, **_WRITE_KWARGS))
                     del staged
+                if self.release_written:
+                    self._item_written(tensor)
                 stream.kick()
                 if self.on_bytes is not None:
                     self.on_bytes(nbytes)
@@ -202,6 +218,19 @@ class StreamingWriter(FileSystemWriterAsync):
             raise
         return results
 
+    def _item_written(self, tensor: torch.Tensor) -> None:
+        """Once every item of a tracked tensor is on its way to disk, give its memory back."""
+        span = self.tracker.span(tensor) if tensor.numel() else None
+        if span is None:
+            return
+        with self._release_lock:
+            self._unwritten_items[span] -= 1
+            last = self._unwritten_items[span] == 0
+        if last:
+            released = release_pages(*self.tracker.extent(span))
+            with self._release_lock:
+                self.released_bytes += released
+
     def retrieve_write_results(self) -> list[Any]:
         return self._results
 
@@ -211,7 +240,7 @@ class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, thread_count: int, bucket_bytes: int, on_bytes: OnBytes | None = None,
                  on_planned: OnBytes | None = None, fill: Callable[[], None] | None = None,
-                 tracker: FillTracker | None = None) -> None:
+                 tracker: FillTracker | None = None, release_written: bool = False) -> None:
         super().__init__(backend="torch_dist", thread_count=thread_count)
         if (fill is None) != (tracker is None):
             raise ValueError("fill and tracker come together: the writers wait for what fill fills")
@@ -220,13 +249,17 @@ class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
         self.on_planned = on_planned
         self.fill = fill
         self.tracker = tracker
+        self.release_written = release_written
+        """Give each filled tensor's memory back once written (the model is not used after the save)."""
         self.files: dict[str, tuple[int, str]] = {}
         self.budget_peak = 0
+        self.released_bytes = 0
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
         state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         budget = ByteBudget(self.bucket_bytes)
-        writer = StreamingWriter(checkpoint_dir, self.thread_count, budget, self.on_bytes, self.tracker)
+        writer = StreamingWriter(checkpoint_dir, self.thread_count, budget, self.on_bytes, self.tracker,
+                                 release_written=self.release_written)
         planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                    flatten_state_dict=False, flatten_sharded_tensors=False)
         finalize_args = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,
@@ -245,3 +278,4 @@ class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
         save_state_dict_async_finalize(*finalize_args)
         self.files = dict(writer.files)
         self.budget_peak = budget.peak
+        self.released_bytes = writer.released_bytes

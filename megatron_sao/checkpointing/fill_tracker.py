@@ -46,6 +46,11 @@ class FillTracker:
             return i
         return None
 
+    def extent(self, index: int) -> tuple[int, int]:
+        """(address, bytes) of tracked tensor `index` (as returned by `span`)."""
+        start, end, _ = self._spans[index]
+        return start, end - start
+
     def position(self, tensor: torch.Tensor) -> int:
         """Where `tensor` comes in the fill order (untracked tensors last)."""
         i = self.span(tensor) if tensor.numel() > 0 else None

@@ -77,6 +77,8 @@ class HfToMcoreRequest:
     """Per rank: at most this many bytes of HF tensors read ahead, and of tensors staged for writing."""
     io_threads: int = 2
     """torch_dist writer threads per rank (one file each)."""
+    release_written: bool = True
+    """Give each parameter's memory back to the OS once it is written (`page_release`)."""
 
 
 @dataclass(kw_only=True)
@@ -253,7 +255,7 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
             with one_op_thread():
                 written = save_model(chunks, staged.tmp, thread_count=request.io_threads, bucket_bytes=bucket,
                                      on_bytes=progress.advance, on_planned=lambda n: planned_bytes("write", n),
-                                     fill=fill, tracker=tracker)
+                                     fill=fill, tracker=tracker, release_written=request.release_written)
             phases["load"] = loaded_at - start - sum(phases.values())
             hashed = {name: entry for files in gather_objects(written) for name, entry in files.items()}
             barrier()

@@ -97,21 +97,24 @@ def model_state(chunks: list[torch.nn.Module]) -> dict[str, dict[str, Any]]:
 def save_model(chunks: list[torch.nn.Module], directory: Path, thread_count: int = 2,
                bucket_bytes: int = DEFAULT_IO_BUCKET_BYTES, on_bytes: OnBytes | None = None,
                on_planned: OnBytes | None = None, fill: Callable[[], None] | None = None,
-               tracker: FillTracker | None = None) -> dict[str, tuple[int, str]]:
+               tracker: FillTracker | None = None, release_written: bool = False) -> dict[str, tuple[int, str]]:
     """Collective: write the chunks' weights as a torch_dist checkpoint into existing `directory`.
 
     `thread_count` writer threads per rank (each writes and hashes one file; 2 overlap hashing and
     serialising with the disk on a 2-core host); at most `bucket_bytes` of staged copies at a time
     (`dist_writer`); `on_planned(bytes this rank writes)`, then `on_bytes(n)` per tensor written.
     With `fill` (and the `tracker` it reports to), the weights are written while `fill` fills them:
-    `fill` runs on this thread after the save is planned (see `dist_writer`).
+    `fill` runs on this thread after the save is planned (see `dist_writer`). With `release_written`
+    (and a tracker), each tracked tensor's memory goes back to the OS once written
+    (`page_release`): the chunks' weights read as zeros afterwards.
     Returns {file name: (bytes, digest hex)} of the .distcp files this rank wrote."""
     from megatron.core import dist_checkpointing
 
     from megatron_sao.checkpointing.dist_writer import BoundedSaveStrategy
 
     strategy = BoundedSaveStrategy(thread_count=thread_count, bucket_bytes=bucket_bytes, on_bytes=on_bytes,
-                                   on_planned=on_planned, fill=fill, tracker=tracker)
+                                   on_planned=on_planned, fill=fill, tracker=tracker,
+                                   release_written=release_written)
     dist_checkpointing.save(model_state(chunks), str(directory), sharded_strategy=strategy)
     return strategy.files
 
