@@ -16,7 +16,9 @@ as it writes (`direct_io.hashing_file`: O_DIRECT where the filesystem takes it, 
 page cache with its write-back started item by item). Given a `fill`
 function and its `FillTracker`, the strategy plans the save (shapes only), starts the writers, and
 runs `fill` (a conversion's load) on the calling thread while they write: each writer waits for
-each item's tensor to be filled, and writes its items in fill order. The load side is `dist_reader`.
+each item's tensor to be filled, and writes its items in fill order; with `release_written`, a
+tensor's whole pages go back to the OS once all of this rank's items of it are written
+(`page_release`). The load side is `dist_reader`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ of the one conversion task in flight, never a second copy of the shard
 (docs/conversion.md#memory-and-streaming). The save runs while the load fills the model: each
 parameter is written once it is filled (`FillTracker`), so reading, converting and writing overlap;
 read-ahead and write staging get half of the bucket each. The .distcp files are hashed while they
-are written.
+are written. Once written, a parameter's memory goes back to the OS (`page_release`): the next
+parameters reuse its pages, and a rank's peak memory is the part of its shard in flight.
 Checks that need no model (`plan_hf_to_mcore`) run first, on every rank, before any collective.
 """
 
