@@ -134,7 +134,8 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
         mcore_dir=Path(args.mcore), out_dir=Path(args.out),
         hf_config_dir=Path(args.hf_config) if args.hf_config else None, layout=_layout(args), role=args.role,
         dtype=args.dtype, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
-        verify_checksums=args.verify_checksums, progress=not args.no_progress)
+        verify_checksums=args.verify_checksums, progress=not args.no_progress,
+        io_bucket_bytes=int(args.io_bucket_mb * 2**20))
     rank, result = run_collective(convert_mcore_to_hf, args.nproc, request)
     _report(rank, [*notes, f"mcore-to-hf: {result['summary']}"])
     return 0
@@ -203,6 +204,9 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                      help="export floating tensors in this dtype (default: the source's, per tensor)")
     m2h.add_argument("--max-shard-size", type=_size, default=_size("5GB"), metavar="SIZE",
                      help="largest safetensors shard (default 5GB)")
+    m2h.add_argument("--io-bucket-mb", type=float, default=DEFAULT_IO_BUCKET_BYTES / 2**20, metavar="MB",
+                     help="per rank, at most this many MiB loaded ahead of the export (the export gives each "
+                          f"parameter's memory back once written) (default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
     _add_checksum_flag(m2h)
     _add_output_flags(m2h)
     _add_layout(m2h)

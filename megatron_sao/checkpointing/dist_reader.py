@@ -48,6 +48,7 @@ from torch.futures import Future
 
 from megatron_sao.checkpointing.distcp_items import storage_range
 from megatron_sao.checkpointing.fill_tracker import FillTracker
+from megatron_sao.checkpointing.load_window import LoadWindow
 
 OnBytes = Callable[[int], None]
 
@@ -99,11 +100,13 @@ class ParallelFileReader(FileSystemReader):
     `preadv` straight into the target (`distcp_items.storage_range`) instead of `torch.load` plus a
     copy (~7x less CPU per byte); other items (a slice of a saved chunk when the layout changed, a
     dtype change, objects) go through torch's reader as before. torch reads the files one after
-    the other; the threads overlap one file's CPU work with the other's disk reads."""
+    the other; the threads overlap one file's CPU work with the other's disk reads. With a
+    `window`, each such read first waits for room in it (`load_window`)."""
 
-    def __init__(self, path: str | Path, thread_count: int) -> None:
+    def __init__(self, path: str | Path, thread_count: int, window: LoadWindow | None = None) -> None:
         super().__init__(path)
         self.thread_count = max(1, thread_count)
+        self.window = window
         self.raw_items = 0
         """Tensor items read straight into their target (the rest: `torch.load`)."""
         self._count_lock = threading.Lock()
@@ -150,6 +153,8 @@ class ParallelFileReader(FileSystemReader):
         start = storage_range(fd, info.offset, info.length, target.dtype, tuple(item.lengths))
         if start is None:
             return False
+        if self.window is not None:
+            self.window.admit(_nbytes(target))
         buffer = target if target.is_contiguous() else torch.empty_like(target, memory_format=torch.contiguous_format)
         view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
         while view:
@@ -196,13 +201,15 @@ class BackgroundLoad:
 class CountingLoadStrategy(TorchDistLoadShardedStrategy):
     """Megatron's torch_dist load, reporting the bytes of every tensor it fills (progress), through
     `ParallelFileReader`; with a `tracker`, in the background when it can (module docstring):
-    `background` is then the running load."""
+    `background` is then the running load, held back by `window` if given."""
 
-    def __init__(self, on_bytes: OnBytes | None, thread_count: int = 2, tracker: FillTracker | None = None) -> None:
+    def __init__(self, on_bytes: OnBytes | None, thread_count: int = 2, tracker: FillTracker | None = None,
+                 window: LoadWindow | None = None) -> None:
         super().__init__()
         self.on_bytes = on_bytes
         self.thread_count = thread_count
         self.tracker = tracker
+        self.window = window
         self.background: BackgroundLoad | None = None
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Path, async_strategy: str = "mcore") -> Any:
@@ -215,12 +222,12 @@ class CountingLoadStrategy(TorchDistLoadShardedStrategy):
         in_background = self.tracker is not None and all(
             t.data is not None and (t.data.numel() == 0 or self.tracker.span(t.data) is not None) for t in tensors)
 
-        def read(part: dict[str, Any], tracker: FillTracker | None) -> None:
+        def read(part: dict[str, Any], tracker: FillTracker | None, window: LoadWindow | None = None) -> None:
             planner = _CountingLoadPlanner(
                 shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
                 allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors if t.allow_shape_mismatch},
                 flatten_state_dict=False, flatten_sharded_tensors=False, on_bytes=self.on_bytes, tracker=tracker)
-            checkpoint.load(part, ParallelFileReader(checkpoint_dir, self.thread_count), planner=planner,
+            checkpoint.load(part, ParallelFileReader(checkpoint_dir, self.thread_count, window), planner=planner,
                             no_dist=True)
 
         if in_background:
@@ -231,7 +238,7 @@ class CountingLoadStrategy(TorchDistLoadShardedStrategy):
                 read(objects, None)
                 pyt_state.update(objects)
             tensor_part = {k: v for k, v in pyt_state.items() if k not in objects}
-            self.background = BackgroundLoad(lambda: read(tensor_part, self.tracker), self.tracker)
+            self.background = BackgroundLoad(lambda: read(tensor_part, self.tracker, self.window), self.tracker)
             self.background.start()
         else:
             read(pyt_state, None)

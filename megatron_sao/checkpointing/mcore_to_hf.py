@@ -5,7 +5,10 @@ checkpoint reshards into it, loaded in place: `dist_reader.merge_in_place`), meg
 HF tensors one at a time, and the rank that owns each writes it straight to its planned place in the
 output shards (`safetensors_stream`; rank 0 creates the files, the others open them): experts are
 not gathered across expert-parallel ranks (each rank writes its own), other tensors are shared out
-by bytes (`HFWeightExporter.stream_owned`). Host memory is the rank's model shard plus one tensor;
+by bytes (`HFWeightExporter.stream_owned`). Host memory is at most the rank's model shard plus one
+tensor; each parameter's pages go back to the OS once it is exported, and the load is held at most
+an I/O bucket ahead of the export (`load_window`), so the load reuses them and the peak is about
+the bucket plus the tensors in flight where the bridge allows it (`reports_exported`);
 on several nodes the output directory must be on a filesystem every rank sees. The export
 runs while the model loads (`dist_reader.BackgroundLoad`: every collective of the load runs first,
 then the export waits for each parameter it reads), and the manifest's checksums are verified
@@ -43,6 +46,7 @@ from megatron_sao.checkpointing.hf_files import (
     read_safetensors_header,
 )
 from megatron_sao.checkpointing.hf_load import float_state
+from megatron_sao.checkpointing.load_window import LoadWindow
 from megatron_sao.checkpointing.manifest import (
     HF_DIR,
     MANIFEST_FILE,
@@ -72,8 +76,10 @@ from megatron_sao.checkpointing.output_dir import (
     disk_full_as_value_error,
     human_bytes,
 )
+from megatron_sao.checkpointing.page_release import release_pages
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.models.hf_export import HFWeightExporter, OwnedTensor
 from megatron_sao.platform.collective import (
     any_rank_flags,
@@ -110,6 +116,10 @@ class McoreToHfRequest:
     otherwise exported silently); one extra read of the checkpoint, split over the ranks and
     overlapping the load."""
     progress: bool = True
+    release_exported: bool = True
+    """Give each parameter's memory back to the OS once exported (`page_release`), and hold the load
+    at most `io_bucket_bytes` ahead of the export (`load_window`), so it reuses those pages."""
+    io_bucket_bytes: int = DEFAULT_IO_BUCKET_BYTES
 
 
 @dataclass(kw_only=True)
@@ -280,16 +290,26 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         progress.start_phase("convert")
         with disk_full_as_value_error(staged.tmp), one_op_thread():
             sink = _open_sink(plan, staged.tmp, progress)
-            load = _VerifiedLoad(plan, chunks, progress)
+            window = LoadWindow(max(1, request.io_bucket_bytes)) if request.release_exported else None
+            load = _VerifiedLoad(plan, chunks, progress, window)
             overlapped = load.background is not None
-            exporter = HFWeightExporter(chunks, view, role=plan.role)
+            exporter = None
             try:
-                for item in exporter.stream_owned(cpu=True, wait_for=load.tracker.wait, may_alias=True):
+                exporter = HFWeightExporter(chunks, view, role=plan.role)
+                give_back = load.give_back if window is not None and overlapped and exporter.reports_exported() \
+                    else None
+                if give_back is None and window is not None:
+                    window.close()  # nothing will be given back: the load must not wait for it
+                for item in exporter.stream_owned(cpu=True, wait_for=load.wait_for, may_alias=True,
+                                                  on_exported=give_back):
                     # The exporter always appends a zero score.bias; a critic saved without one has none.
                     if not (item.name == cf.VALUE_BIAS and item.name not in sink.by_name):
                         sink.take(item)
             finally:
-                exporter.close()
+                if window is not None:
+                    window.close()
+                if exporter is not None:
+                    exporter.close()
             load.finish()
             loaded_at = load.loaded_at
             phases["load"] = loaded_at - start - sum(phases.values())
@@ -321,6 +341,8 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         "shard_bytes": rank_bytes,
         "bytes": total, "rounded": rounded, "seconds": seconds, "load_seconds": loaded_at - start,
         "load_overlapped": overlapped,
+        "released_bytes": load.released_bytes,
+        "load_held_back": window.held_back if window is not None else 0,
         "export_seconds": time.monotonic() - loaded_at,
         "summary": (f"{mcore} ({plan.role}, {plan.family.architecture}) -> {out}: {len(plan.specs)} tensors, "
                     f"{human_bytes(total)} [{request.layout.describe()}, {get_world_size()} ranks] in {seconds:.1f} s"
@@ -334,8 +356,11 @@ class _VerifiedLoad:
     until a parameter is loaded (or the load ended, even in failure: the export's gathers must run
     on every rank); `finish` raises on every rank if any checksum differs or any rank's load failed."""
 
-    def __init__(self, plan: McoreToHfPlan, chunks: list[torch.nn.Module], progress: Progress) -> None:
+    def __init__(self, plan: McoreToHfPlan, chunks: list[torch.nn.Module], progress: Progress,
+                 window: LoadWindow | None = None) -> None:
         self.mcore, manifest = Path(plan.request.mcore_dir), plan.manifest
+        self.window = window
+        self.released_bytes = 0
         self.found: list[str] = []
         self.hashing: threading.Thread | None = None
         if manifest is not None and plan.request.verify_checksums:
@@ -354,17 +379,39 @@ class _VerifiedLoad:
         self.background: BackgroundLoad | None = None
         self.failure: BaseException | None = None
         try:
-            self.background = start_load_model(chunks, self.mcore, on_bytes=progress.advance, tracker=self.tracker)
+            self.background = start_load_model(chunks, self.mcore, on_bytes=progress.advance, tracker=self.tracker,
+                                               window=window)
         except (Exception, CheckpointException) as e:  # a corrupt file may fail the load: its checksum error says why
             self.failure = e
         self.loaded_at = time.monotonic()
         if self._any_rank_failed():  # before the export: a rank without its weights must not gather
             self._raise()
 
+    def wait_for(self, parameter: torch.Tensor) -> None:
+        """Block until `parameter` is loaded (the load is not held back meanwhile)."""
+        if self.window is None:
+            self.tracker.wait(parameter)
+            return
+        with self.window.consumer_waiting():
+            self.tracker.wait(parameter)
+
+    def give_back(self, parameter: torch.Tensor) -> None:
+        """`parameter` is exported and never read again: its pages go back to the OS, and the load
+        may run that much further ahead."""
+        span = self.tracker.span(parameter) if parameter.numel() else None
+        if span is None:
+            return
+        address, nbytes = self.tracker.extent(span)
+        self.released_bytes += release_pages(address, nbytes)
+        if self.window is not None:
+            self.window.given_back(nbytes)
+
     def _any_rank_failed(self) -> bool:
         return bool(any_rank_flags(torch.tensor([int(self.failure is not None)], dtype=torch.int32)).item())
 
     def _raise(self) -> None:
+        if self.window is not None:
+            self.window.close()  # a background load held back by it must run to its end
         if self.hashing is not None:
             self.hashing.join()
         raise_if_any(self.found)

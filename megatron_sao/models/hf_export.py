@@ -54,13 +54,42 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _waiting_for(wait_for: Callable[[torch.Tensor], None]) -> Callable[..., Iterator[Any]]:
-    """megatron-bridge's task-loop wrapper, replaced: wait for each task's local parameter first."""
+def _local_param(task: Any) -> torch.Tensor | None:
+    if task is not None and task.megatron_module is not None and isinstance(task.param_weight, torch.Tensor):
+        return task.param_weight
+    return None
+
+
+# `maybe_modify_converted_hf_weight` overrides read that only add to the current task's tensors
+# (DeepSeek-V3: the source's rotary inv_freq next to each layer's input norm); round trips with
+# parameters given back as exported are bit-exact through them (tests/checkpointing/test_roundtrip.py).
+_OVERRIDES_HOLDING_NOTHING = frozenset({"DeepSeekV3Bridge.maybe_modify_converted_hf_weight"})
+
+
+def _task_loop(wait_for: Callable[[torch.Tensor], None] | None,
+               on_exported: Callable[[torch.Tensor], None] | None) -> Callable[..., Iterator[Any]]:
+    """megatron-bridge's task-loop wrapper, replaced: wait for each task's local parameter first
+    (`wait_for`), and report each one once its last task is behind (`on_exported`): the bridge
+    asks for the next task only after it yielded every HF tensor of the previous one (unless it
+    holds them across tasks: `HFWeightExporter.reports_exported`), and the consumer has handled
+    each before the stream resumes."""
 
     def tasks_in_order(tasks: list[Any], description: str, show_progress: bool = True) -> Iterator[Any]:
+        remaining: dict[int, int] = {}
         for task in tasks:
-            if task is not None and task.megatron_module is not None and isinstance(task.param_weight, torch.Tensor):
-                wait_for(task.param_weight)
+            if (param := _local_param(task)) is not None:
+                remaining[param.data_ptr()] = remaining.get(param.data_ptr(), 0) + 1
+        previous = None
+        for task in [*tasks, None]:
+            if previous is not None and on_exported is not None:
+                remaining[previous.data_ptr()] -= 1
+                if remaining[previous.data_ptr()] == 0:
+                    on_exported(previous)
+            if task is None:
+                return
+            previous = _local_param(task)
+            if previous is not None and wait_for is not None:
+                wait_for(previous)
             yield task
 
     return tasks_in_order
@@ -168,23 +197,47 @@ class HFWeightExporter:
         for name, tensor, _ in self._stream(cpu, wait_for, gather_experts=True, copy_live=True):
             yield name, tensor
 
+    def reports_exported(self) -> bool:
+        """Whether `stream_owned` can report each parameter once exported (`on_exported`): not where
+        megatron-bridge may keep a task's HF tensors (possibly views of its parameter) until a later
+        task. Grouped expert exports stack all experts of a layer first, and a model bridge that
+        overrides `maybe_modify_converted_hf_weight` may merge experts the same way."""
+        from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+        model_bridge = self.bridge._model_bridge
+        override = type(model_bridge).maybe_modify_converted_hf_weight
+        if (override is not MegatronModelBridge.maybe_modify_converted_hf_weight
+                and override.__qualname__ not in _OVERRIDES_HOLDING_NOTHING):
+            return False
+        mappings = model_bridge.mapping_registry().get_all_mappings()
+        return not any(getattr(m, "is_grouped_export", False) for m in mappings)
+
     def stream_owned(self, cpu: bool = True, wait_for: Callable[[torch.Tensor], None] | None = None,
-                     may_alias: bool = False) -> Iterator[OwnedTensor]:
+                     may_alias: bool = False,
+                     on_exported: Callable[[torch.Tensor], None] | None = None) -> Iterator[OwnedTensor]:
         """Collective: like `stream`, but experts are not gathered across expert-parallel ranks:
         each rank yields its own (see `OwnedTensor`), and every HF tensor of the model is `owned`
         by exactly one rank. Fused-expert HF formats (one tensor for all experts of a layer) still
         gather, and are then owned like any shared tensor. With `may_alias`, a tensor may be (a view
         of) a live parameter instead of a copy: for a consumer done with it before the model
-        changes (a conversion writing it out), which then saves a copy of every local expert."""
+        changes (a conversion writing it out), which then saves a copy of every local expert.
+        `on_exported(parameter)` is called once every HF tensor made from a local parameter has
+        been yielded and handled (the consumer asked for the next one), so a consumer done with the
+        model may free it; only where `reports_exported()` (ValueError otherwise)."""
         from megatron.core import parallel_state
 
+        if on_exported is not None and not self.reports_exported():
+            raise ValueError(f"{self.hf_dir}: megatron-bridge may hold exported tensors across tasks for this model "
+                             "(grouped expert export): parameters cannot be reported as exported")
         owners = _Owners(parallel_state.get_expert_model_parallel_rank())
-        for name, tensor, expert_local in self._stream(cpu, wait_for, gather_experts=False, copy_live=not may_alias):
+        for name, tensor, expert_local in self._stream(cpu, wait_for, gather_experts=False, copy_live=not may_alias,
+                                                       on_exported=on_exported):
             owned = owners.rank == owners.expert_owner if expert_local else owners.owns_shared(tensor_nbytes(tensor))
             yield OwnedTensor(name, tensor, owned, expert_local)
 
     def _stream(self, cpu: bool, wait_for: Callable[[torch.Tensor], None] | None, gather_experts: bool,
-                copy_live: bool) -> Iterator[tuple[str, torch.Tensor, bool]]:
+                copy_live: bool, on_exported: Callable[[torch.Tensor], None] | None = None,
+                ) -> Iterator[tuple[str, torch.Tensor, bool]]:
         """(name, tensor, expert_local): see `stream` and `stream_owned`."""
         model_bridge = self.bridge._model_bridge
         hf_config = self.bridge.hf_pretrained.config
@@ -205,8 +258,8 @@ class HFWeightExporter:
         # as the live parameter itself when it is already on the target device: copy those, or a
         # caller holding the export would see the next optimizer step.
         live = {p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()} if copy_live else set()
-        if wait_for is not None:
-            model_bridge._with_progress_tracking = _waiting_for(wait_for)
+        if wait_for is not None or on_exported is not None:
+            model_bridge._with_progress_tracking = _task_loop(wait_for, on_exported)
         try:
             for name, tensor in model_bridge.stream_weights_megatron_to_hf(
                     self.chunks, hf_config, cpu=cpu, show_progress=False, conversion_tasks=tasks):

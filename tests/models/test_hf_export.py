@@ -212,3 +212,43 @@ def test_the_stream_waits_for_each_parameter_before_reading_it(tiny_hf_dir):
     (result,) = run_distributed(export_waiting_for_parameters, 1, str(tiny_hf_dir), timeout_s=300)
     assert result["same"], "a parameter was read before wait_for released it"
     assert result["restored"] == result["params"]
+
+
+def export_blanking_exported_parameters(hf_dir: str) -> dict[str, Any]:
+    """Rank job: export a model whose every parameter is overwritten with NaN as soon as
+    `on_exported` reports it (as a conversion giving its memory back would): the tensors, taken
+    (cloned) as they are yielded, equal a plain export only if no parameter is reported before
+    every HF tensor made from it was handled."""
+    from megatron_sao.checkpointing.model_setup import Layout, build_for_conversion, conversion_config
+    from megatron_sao.models.hf_export import HFWeightExporter
+
+    config = conversion_config(Path(hf_dir), Layout(), 1, torch.float32)
+    chunks = build_for_conversion(config, "actor")
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=generator))
+    exporter = HFWeightExporter(chunks, hf_dir)
+    reference = {name: tensor.clone() for name, tensor in exporter.stream()}
+    reported: list[int] = []
+
+    def blank(parameter: torch.Tensor) -> None:
+        reported.append(parameter.data_ptr())
+        with torch.no_grad():
+            parameter.fill_(float("nan"))
+
+    reports = exporter.reports_exported()
+    taken = {item.name: item.tensor.clone()
+             for item in exporter.stream_owned(may_alias=True, on_exported=blank)}
+    exporter.close()
+    return {"same": reference.keys() == taken.keys() and all(torch.equal(reference[n], taken[n]) for n in reference),
+            "reports": reports, "reported": len(reported), "distinct": len(set(reported)),
+            "params": len({p.data_ptr() for p in params})}
+
+
+def test_on_exported_reports_each_parameter_once_after_its_last_hf_tensor(tiny_hf_dir):
+    (result,) = run_distributed(export_blanking_exported_parameters, 1, str(tiny_hf_dir), timeout_s=300)
+    assert result["reports"]
+    assert result["same"], "a parameter was reported while an HF tensor made from it was still to come"
+    assert result["reported"] == result["distinct"] == result["params"]
