@@ -14,6 +14,7 @@ bytes are released, so no neighbour's bytes are touched. Reads of a released ten
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -34,12 +35,15 @@ def releasable_range(address: int, nbytes: int) -> tuple[int, int]:
 
 def release_pages(address: int, nbytes: int) -> int:
     """Release the whole pages inside the byte range (memory the caller owns and will not read
-    again, or reads as zeros); returns the bytes released (0 off Linux)."""
+    again, or reads as zeros); returns the bytes released (0 off Linux, or where the mapping
+    refuses: a memory saving, never a failure)."""
     start, length = releasable_range(address, nbytes)
     if _libc is None or length == 0:
         return 0
     if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED) != 0:
         error = ctypes.get_errno()
+        if error in (errno.EINVAL, errno.EAGAIN):
+            return 0  # a mapping that refuses it (locked, huge-page backed) keeps its pages: only the saving is lost
         raise OSError(error, f"madvise(MADV_DONTNEED) of {length} bytes at {start:#x}: {os.strerror(error)}")
     return length
 

@@ -74,16 +74,20 @@ def _task_loop(wait_for: Callable[[torch.Tensor], None] | None,
     holds them across tasks: `HFWeightExporter.reports_exported`), and the consumer has handled
     each before the stream resumes."""
 
+    def storage(param: torch.Tensor) -> int:
+        # tasks reading views of one storage (e.g. one expert each of a grouped weight) count together
+        return param.untyped_storage().data_ptr()
+
     def tasks_in_order(tasks: list[Any], description: str, show_progress: bool = True) -> Iterator[Any]:
         remaining: dict[int, int] = {}
         for task in tasks:
             if (param := _local_param(task)) is not None:
-                remaining[param.data_ptr()] = remaining.get(param.data_ptr(), 0) + 1
+                remaining[storage(param)] = remaining.get(storage(param), 0) + 1
         previous = None
         for task in [*tasks, None]:
             if previous is not None and on_exported is not None:
-                remaining[previous.data_ptr()] -= 1
-                if remaining[previous.data_ptr()] == 0:
+                remaining[storage(previous)] -= 1
+                if remaining[storage(previous)] == 0:
                     on_exported(previous)
             if task is None:
                 return
@@ -221,9 +225,10 @@ class HFWeightExporter:
         gather, and are then owned like any shared tensor. With `may_alias`, a tensor may be (a view
         of) a live parameter instead of a copy: for a consumer done with it before the model
         changes (a conversion writing it out), which then saves a copy of every local expert.
-        `on_exported(parameter)` is called once every HF tensor made from a local parameter has
-        been yielded and handled (the consumer asked for the next one), so a consumer done with the
-        model may free it; only where `reports_exported()` (ValueError otherwise)."""
+        `on_exported(parameter)` is called once every HF tensor made from a local parameter (and
+        from anything else in its storage) has been yielded and handled (the consumer asked for the
+        next one), so a consumer done with the model may free it; only where `reports_exported()`
+        (ValueError otherwise)."""
         from megatron.core import parallel_state
 
         if on_exported is not None and not self.reports_exported():
