@@ -7,8 +7,8 @@ output shards (`safetensors_stream`; rank 0 creates the files, the others open t
 not gathered across expert-parallel ranks (each rank writes its own), other tensors are shared out
 by bytes (`HFWeightExporter.stream_owned`). Host memory is at most the rank's model shard plus one
 tensor; each parameter's pages go back to the OS once it is exported, and the load is held at most
-an I/O bucket ahead of the export (`load_window`), so the load reuses them and the peak is about
-the bucket plus the tensors in flight where the bridge allows it (`reports_exported`);
+an I/O bucket ahead of the export (`load_window`), so the load reuses them (where the bridge
+allows it: `reports_exported`);
 on several nodes the output directory must be on a filesystem every rank sees. The export
 runs while the model loads (`dist_reader.BackgroundLoad`: every collective of the load runs first,
 then the export waits for each parameter it reads), and the manifest's checksums are verified
