@@ -171,22 +171,28 @@ def test_a_critic_checkpoint_is_read_through_a_causal_view(tiny_hf_dir, tmp_path
     assert not view.exists()
 
 
-def export_waiting_for_parameters(hf_dir: str) -> dict[str, Any]:
-    """Rank job: export a freshly built model; then blank every parameter with NaN and export again
-    with a `wait_for` that puts each parameter's values back only when it is called (as a load
-    still filling the model would): the second export equals the first only if every parameter
-    is waited for before it is read."""
+def _random_model_exporter(hf_dir: str) -> tuple[Any, list[torch.nn.Parameter]]:
+    """A model built from `hf_dir`'s config with random weights (a conversion loads every value, so
+    it is not initialised) and its `HFWeightExporter`."""
     from megatron_sao.checkpointing.model_setup import Layout, build_for_conversion, conversion_config
     from megatron_sao.models.hf_export import HFWeightExporter
 
     config = conversion_config(Path(hf_dir), Layout(), 1, torch.float32)
-    chunks = build_for_conversion(config, "actor")  # not initialised (a conversion loads every value)
+    chunks = build_for_conversion(config, "actor")
     params = [p for chunk in chunks for p in chunk.parameters()]
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in params:
             p.copy_(torch.randn(p.shape, generator=generator))
-    exporter = HFWeightExporter(chunks, hf_dir)
+    return HFWeightExporter(chunks, hf_dir), params
+
+
+def export_waiting_for_parameters(hf_dir: str) -> dict[str, Any]:
+    """Rank job: export a freshly built model; then blank every parameter with NaN and export again
+    with a `wait_for` that puts each parameter's values back only when it is called (as a load
+    still filling the model would): the second export equals the first only if every parameter
+    is waited for before it is read."""
+    exporter, params = _random_model_exporter(hf_dir)
     reference = {name: tensor.clone() for name, tensor in exporter.stream()}
     saved = {p.data_ptr(): p.detach().clone() for p in params}
     by_start = {p.data_ptr(): p for p in params}
@@ -219,17 +225,7 @@ def export_blanking_exported_parameters(hf_dir: str) -> dict[str, Any]:
     `on_exported` reports it (as a conversion giving its memory back would): the tensors, taken
     (cloned) as they are yielded, equal a plain export only if no parameter is reported before
     every HF tensor made from it was handled."""
-    from megatron_sao.checkpointing.model_setup import Layout, build_for_conversion, conversion_config
-    from megatron_sao.models.hf_export import HFWeightExporter
-
-    config = conversion_config(Path(hf_dir), Layout(), 1, torch.float32)
-    chunks = build_for_conversion(config, "actor")
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=generator))
-    exporter = HFWeightExporter(chunks, hf_dir)
+    exporter, params = _random_model_exporter(hf_dir)
     reference = {name: tensor.clone() for name, tensor in exporter.stream()}
     reported: list[int] = []
 
