@@ -156,6 +156,8 @@ def _stored_dtype(mcore_dir: Path) -> torch.dtype:
 
 def plan_mcore_to_hf(request: McoreToHfRequest) -> McoreToHfPlan:
     """Everything checkable without a model; raises ValueError naming the problem."""
+    if request.io_bucket_bytes <= 0:
+        raise ValueError(f"--io-bucket-mb must be > 0 (got {request.io_bucket_bytes} bytes)")
     mcore = Path(request.mcore_dir)
     manifest = None
     if request.hf_config_dir is None or (mcore / MANIFEST_FILE).is_file():
@@ -290,7 +292,7 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         progress.start_phase("convert")
         with disk_full_as_value_error(staged.tmp), one_op_thread():
             sink = _open_sink(plan, staged.tmp, progress)
-            window = LoadWindow(max(1, request.io_bucket_bytes)) if request.release_exported else None
+            window = LoadWindow(request.io_bucket_bytes) if request.release_exported else None
             load = _VerifiedLoad(plan, chunks, progress, window)
             overlapped = load.background is not None
             exporter = None

@@ -189,6 +189,11 @@ def test_mcore_without_manifest_is_refused(mcore, tmp_path):
         export_plan(mcore, tmp_path / "out")
 
 
+def test_a_non_positive_export_bucket_is_refused(mcore, tmp_path):
+    with pytest.raises(ValueError, match=r"--io-bucket-mb must be > 0 \(got 0 bytes\)"):
+        export_plan(mcore, tmp_path / "out", io_bucket_bytes=0)
+
+
 def test_missing_mcore_file_is_named(mcore, tmp_path):
     (mcore / "__0_0.distcp").unlink()
     with pytest.raises(ValueError, match=r"missing checkpoint file __0_0\.distcp \(listed in sao_manifest\.json\)"):
