@@ -42,7 +42,7 @@ ALIGN = max(4096, mmap.PAGESIZE)
 """Block size direct I/O is aligned to: every common logical block size divides it, and no page
 holds both directly and buffered written bytes."""
 BOUNCE_BYTES = 8 * 2**20
-_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
+REFUSED_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP)
 
 
 def direct_io_enabled() -> bool:
@@ -56,7 +56,7 @@ def open_direct(path: str | Path, flags: int, mode: int = 0o644) -> int | None:
     try:
         return os.open(path, flags | os.O_DIRECT, mode)
     except OSError as error:
-        if error.errno in _REFUSED:
+        if error.errno in REFUSED_ERRNOS:
             return None
         raise
 
@@ -81,13 +81,15 @@ def _pwrite_direct(fd: int, view: memoryview, offset: int) -> bool:
     try:
         _pwrite_all(fd, view, offset)
     except OSError as error:
-        if error.errno in _REFUSED:
+        if error.errno in REFUSED_ERRNOS:
             return False
         raise
     return True
 
 
-class _Bounce:
+class Bounce:
+    """A page-aligned buffer (`view`) for direct I/O, allocated once and reused."""
+
     def __init__(self, nbytes: int | None = None) -> None:
         nbytes = BOUNCE_BYTES if nbytes is None else nbytes
         assert nbytes % ALIGN == 0
@@ -109,7 +111,7 @@ class DirectHashingFile:
     def __init__(self, fd: int, digest: str = DEFAULT_DIGEST) -> None:
         self._fd = fd
         self._digest = new_hasher(digest)
-        self._bounce = _Bounce()
+        self._bounce = Bounce()
         self._filled = 0
         self._drained = 0
         self._direct = True
@@ -190,7 +192,7 @@ class PositionalWriter:
     def __init__(self, path: str | Path, fd: int) -> None:
         self.fd = fd
         self._direct_fd = open_direct(path, os.O_WRONLY)
-        self._bounce: _Bounce | None = None
+        self._bounce: Bounce | None = None
         self._lock = threading.Lock()
 
     def write(self, data: memoryview, offset: int) -> None:
@@ -205,7 +207,7 @@ class PositionalWriter:
         _pwrite_all(self.fd, data[stop - offset:], stop)
         with self._lock:
             if self._bounce is None:
-                self._bounce = _Bounce()
+                self._bounce = Bounce()
             position = start
             while position < stop and self._direct_fd is not None:
                 n = min(len(self._bounce), stop - position)
@@ -247,7 +249,7 @@ def pread_whole_blocks(fd: int, offset: int, nbytes: int) -> torch.Tensor | None
         try:
             n = os.preadv(fd, [view[done:]], start + done)
         except OSError as error:
-            if error.errno in _REFUSED:
+            if error.errno in REFUSED_ERRNOS:
                 return None
             raise
         if n == 0:

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from megatron_sao.checkpointing.distcp_items import storage_range
+from megatron_sao.checkpointing.distcp_stream import FileDigests, StreamItem, stream_file
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.load_window import LoadWindow
 
@@ -101,12 +102,16 @@ class ParallelFileReader(FileSystemReader):
     copy (~7x less CPU per byte); other items (a slice of a saved chunk when the layout changed, a
     dtype change, objects) go through torch's reader as before. torch reads the files one after
     the other; the threads overlap one file's CPU work with the other's disk reads. With a
-    `window`, each such read first waits for room in it (`load_window`)."""
+    `window`, each such read first waits for room in it (`load_window`). The files `digests` wants
+    (even those with nothing for this rank) are read whole in one pass that hashes them and fills
+    their raw items (`distcp_stream`), instead of a second read by a checksum thread."""
 
-    def __init__(self, path: str | Path, thread_count: int, window: LoadWindow | None = None) -> None:
+    def __init__(self, path: str | Path, thread_count: int, window: LoadWindow | None = None,
+                 digests: FileDigests | None = None) -> None:
         super().__init__(path)
         self.thread_count = max(1, thread_count)
         self.window = window
+        self.digests = digests
         self.raw_items = 0
         """Tensor items read straight into their target (the rest: `torch.load`)."""
         self._count_lock = threading.Lock()
@@ -115,44 +120,61 @@ class ParallelFileReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        plans = [dataclasses.replace(plan, items=sorted(items, key=lambda i: self.storage_data[i.storage_index].offset))
-                 for items in per_file.values()]
-        if len(plans) <= 1 or self.thread_count == 1:
-            for one in plans:
-                self._read_file(one, planner)
+        for name in self.digests.wanted if self.digests is not None else ():
+            per_file.setdefault(name, [])
+        files = [(name, sorted(items, key=lambda i: self.storage_data[i.storage_index].offset))
+                 for name, items in per_file.items()]
+        if len(files) <= 1 or self.thread_count == 1:
+            for name, items in files:
+                self._read_file(name, items, plan, planner)
         else:
-            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(plans)),
+            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(files)),
                                     thread_name_prefix="sao-torch-dist-read") as pool:
-                for future in [pool.submit(self._read_file, one, planner) for one in plans]:
+                for future in [pool.submit(self._read_file, name, items, plan, planner) for name, items in files]:
                     future.result()
         done: Future = Future()
         done.set_result(None)
         return done
 
-    def _read_file(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        relative = self.storage_data[plan.items[0].storage_index].relative_path
+    def _read_file(self, relative: str, items: list[ReadItem], plan: LoadPlan, planner: LoadPlanner) -> None:
         path = os.path.join(self.path, relative)
-        rest = []
+        hashed = self.digests is not None and relative in self.digests.wanted
+        rest: list[ReadItem] = []
+        streamed: list[StreamItem] = []
         with open(path, "rb", buffering=0) as file:
-            for item in plan.items:
-                if not self._read_raw(file.fileno(), path, item, planner):
+            if hashed:  # only the probes below read through the page cache: no read-ahead of the rest
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            for item in items:
+                found = self._raw_target(file.fileno(), item, planner)
+                if found is None:
                     rest.append(item)
+                elif hashed:
+                    streamed.append(_stream_item(item, *found, planner))
+                else:
+                    self._fill(file.fileno(), path, item, *found, planner)
+        if hashed:
+            assert self.digests is not None
+            self.digests.found[relative] = stream_file(path, streamed, self.digests.wanted[relative],
+                                                       admit=self.window.admit if self.window is not None else None)
         with self._count_lock:
-            self.raw_items += len(plan.items) - len(rest)
+            self.raw_items += len(items) - len(rest)
         if rest:
             FileSystemReader.read_data(self, dataclasses.replace(plan, items=rest), planner).wait()
 
-    def _read_raw(self, fd: int, path: str, item: ReadItem, planner: LoadPlanner) -> bool:
-        """Read `item` straight into its target if it is the target's whole saved chunk."""
+    def _raw_target(self, fd: int, item: ReadItem, planner: LoadPlanner) -> tuple[int, torch.Tensor] | None:
+        """(where its bytes start, its target) if `item` is its target's whole saved chunk."""
         info = self.storage_data[item.storage_index]
         if item.type == LoadItemType.BYTE_IO or info.transform_descriptors or any(item.storage_offsets):
-            return False
+            return None
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != tuple(item.lengths):
-            return False
+            return None
         start = storage_range(fd, info.offset, info.length, target.dtype, tuple(item.lengths))
-        if start is None:
-            return False
+        return None if start is None else (start, target)
+
+    def _fill(self, fd: int, path: str, item: ReadItem, start: int, target: torch.Tensor,
+              planner: LoadPlanner) -> None:
+        """Read `item`'s bytes at `start` straight into `target`."""
         if self.window is not None:
             self.window.admit(_nbytes(target))
         buffer = target if target.is_contiguous() else torch.empty_like(target, memory_format=torch.contiguous_format)
@@ -165,7 +187,19 @@ class ParallelFileReader(FileSystemReader):
         if buffer is not target:
             target.copy_(buffer)
         planner.commit_tensor(item, target)
-        return True
+
+
+def _stream_item(item: ReadItem, start: int, target: torch.Tensor, planner: LoadPlanner) -> StreamItem:
+    if target.is_contiguous():
+        return StreamItem(name=item.storage_index.fqn, start=start, target=target,
+                          done=lambda: planner.commit_tensor(item, target))
+    buffer = torch.empty_like(target, memory_format=torch.contiguous_format)
+
+    def done() -> None:
+        target.copy_(buffer)
+        planner.commit_tensor(item, target)
+
+    return StreamItem(name=item.storage_index.fqn, start=start, target=buffer, done=done)
 
 
 class BackgroundLoad:
@@ -204,12 +238,13 @@ class CountingLoadStrategy(TorchDistLoadShardedStrategy):
     `background` is then the running load, held back by `window` if given."""
 
     def __init__(self, on_bytes: OnBytes | None, thread_count: int = 2, tracker: FillTracker | None = None,
-                 window: LoadWindow | None = None) -> None:
+                 window: LoadWindow | None = None, digests: FileDigests | None = None) -> None:
         super().__init__()
         self.on_bytes = on_bytes
         self.thread_count = thread_count
         self.tracker = tracker
         self.window = window
+        self.digests = digests
         self.background: BackgroundLoad | None = None
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Path, async_strategy: str = "mcore") -> Any:
@@ -222,13 +257,14 @@ class CountingLoadStrategy(TorchDistLoadShardedStrategy):
         in_background = self.tracker is not None and all(
             t.data is not None and (t.data.numel() == 0 or self.tracker.span(t.data) is not None) for t in tensors)
 
-        def read(part: dict[str, Any], tracker: FillTracker | None, window: LoadWindow | None = None) -> None:
+        def read(part: dict[str, Any], tracker: FillTracker | None, window: LoadWindow | None = None,
+                 digests: FileDigests | None = None) -> None:
             planner = _CountingLoadPlanner(
                 shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
                 allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors if t.allow_shape_mismatch},
                 flatten_state_dict=False, flatten_sharded_tensors=False, on_bytes=self.on_bytes, tracker=tracker)
-            checkpoint.load(part, ParallelFileReader(checkpoint_dir, self.thread_count, window), planner=planner,
-                            no_dist=True)
+            checkpoint.load(part, ParallelFileReader(checkpoint_dir, self.thread_count, window, digests),
+                            planner=planner, no_dist=True)
 
         if in_background:
             # the objects (`_extra_state`: a few bytes each) now, the tensors on the load's thread; the
@@ -238,10 +274,11 @@ class CountingLoadStrategy(TorchDistLoadShardedStrategy):
                 read(objects, None)
                 pyt_state.update(objects)
             tensor_part = {k: v for k, v in pyt_state.items() if k not in objects}
-            self.background = BackgroundLoad(lambda: read(tensor_part, self.tracker, self.window), self.tracker)
+            self.background = BackgroundLoad(lambda: read(tensor_part, self.tracker, self.window, self.digests),
+                                             self.tracker)
             self.background.start()
         else:
-            read(pyt_state, None)
+            read(pyt_state, None, digests=self.digests)
         loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state.items()}
         loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
         _restore_dict_types(loaded, original)

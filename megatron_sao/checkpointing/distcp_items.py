@@ -21,6 +21,7 @@ import functools
 import io
 import os
 import pickle
+import re
 import struct
 import sys
 from collections import OrderedDict
@@ -80,6 +81,13 @@ def _storage_name(dtype: torch.dtype) -> str | None:
         pickled = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
         rebuilt = _layout(archive.read(pickled))
     return rebuilt.storage[1] if rebuilt is not None else None
+
+
+def saving_rank(name: str) -> int | None:
+    """The rank that wrote `.distcp` file `name` (torch's FileSystemWriter names them
+    `__<rank>_<n>.distcp`), or None for any other file."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
+    return int(match.group(1)) if match else None
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,20 +170,29 @@ def check_files(directory: Path, manifest: Manifest, verify_hashes: bool) -> Non
             raise ValueError(errors[0])
 
 
-def checksum_errors(directory: Path, manifest: Manifest, names: list[str]) -> list[str]:
-    """One line per file of `names` whose digest differs from the manifest's."""
+def checksum_errors(directory: Path, manifest: Manifest, names: list[str],
+                    known: Mapping[str, str] | None = None) -> list[str]:
+    """One line per file of `names` whose digest differs from the manifest's; `known`: digests
+    already computed (by a load that hashed the files as it read them), the rest are hashed here."""
+    known = known or {}
+    recorded = {name: manifest.files[name][manifest.digest] for name in names}
     return [f"{directory / name}: checksum mismatch (file changed or corrupt since conversion)"
-            for name in names
-            if digest_file(directory / name, manifest.digest) != manifest.files[name][manifest.digest]]
+            for name in names if (known.get(name) or digest_file(directory / name, manifest.digest)) != recorded[name]]
 
 
-def checksum_share(manifest: Manifest, rank: int, world_size: int) -> list[str]:
+def checksum_share(manifest: Manifest, rank: int, world_size: int,
+                   saved_by: Callable[[str], int | None] | None = None) -> list[str]:
     """The files `rank` hashes when `world_size` ranks split the work (largest first, each to the
-    rank with the fewest bytes so far: the same answer on every rank)."""
+    rank with the fewest bytes so far: the same answer on every rank). With `saved_by`, a file goes
+    to the rank that wrote it (a rank loading what it saved reads it anyway and hashes it in the
+    same pass: `distcp_stream`) while that rank holds less than an even share of the bytes."""
     load = [0] * world_size
+    even = sum(meta["bytes"] for meta in manifest.files.values()) / world_size
     mine = []
     for name in sorted(manifest.files, key=lambda n: (-manifest.files[n]["bytes"], n)):
-        owner = min(range(world_size), key=lambda r: (load[r], r))
+        owner = saved_by(name) if saved_by is not None else None
+        if owner is None or not 0 <= owner < world_size or load[owner] >= even:
+            owner = min(range(world_size), key=lambda r: (load[r], r))
         load[owner] += manifest.files[name]["bytes"]
         if owner == rank:
             mine.append(name)

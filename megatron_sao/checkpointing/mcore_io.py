@@ -24,6 +24,7 @@ from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 
 if TYPE_CHECKING:
     from megatron_sao.checkpointing.dist_reader import BackgroundLoad
+    from megatron_sao.checkpointing.distcp_stream import FileDigests
     from megatron_sao.checkpointing.load_window import LoadWindow
 
 OnBytes = Callable[[int], None]
@@ -127,13 +128,16 @@ def load_model(chunks: list[torch.nn.Module], directory: Path, on_bytes: OnBytes
 
 
 def start_load_model(chunks: list[torch.nn.Module], directory: Path, on_bytes: OnBytes | None = None,
-                     tracker: FillTracker | None = None, window: LoadWindow | None = None) -> BackgroundLoad | None:
+                     tracker: FillTracker | None = None, window: LoadWindow | None = None,
+                     digests: FileDigests | None = None) -> BackgroundLoad | None:
     """Collective: `load_model`; with `tracker` (over the chunks' tensors), the reading goes on in
     the background after every collective has run, each tensor marked in `tracker` once loaded,
     and the running load is returned (`join` it; it finishes the tracker either way). Returns
     None when the load is complete on return (no tracker, or the loaded state is not the chunks'
     own tensors: then the tracker is finished too). A background load is held back by `window`
-    (`load_window`), if given."""
+    (`load_window`), if given. The files `digests` wants are hashed as they are read, each in one
+    pass (`distcp_stream`); a file whose pass did not complete (the load failed) has no digest in
+    `digests.found`."""
     from megatron.core import dist_checkpointing
 
     from megatron_sao.checkpointing.dist_reader import CountingLoadStrategy, merge_in_place
@@ -141,7 +145,7 @@ def start_load_model(chunks: list[torch.nn.Module], directory: Path, on_bytes: O
     state = model_state(chunks)
     for chunk_state in state.values():
         merge_in_place(chunk_state, tracker)
-    strategy = CountingLoadStrategy(on_bytes, tracker=tracker, window=window)
+    strategy = CountingLoadStrategy(on_bytes, tracker=tracker, window=window, digests=digests)
     loaded = dist_checkpointing.load(state, str(directory), sharded_strategy=strategy)
     background = strategy.background
     if background is not None and all(_is_own_state(chunk, loaded[key]) for key, chunk in zip(state, chunks,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_sao.checkpointing import critic_format as cf
+from megatron_sao.checkpointing.distcp_items import saving_rank
+from megatron_sao.checkpointing.distcp_stream import FileDigests
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.hf_files import (
@@ -344,6 +345,9 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         "bytes": total, "rounded": rounded, "seconds": seconds, "load_seconds": loaded_at - start,
         "load_overlapped": overlapped,
         "released_bytes": load.released_bytes,
+        # this rank's share of the manifest's files, and how many of them the load hashed as it read them
+        "checksum_files": len(load.digests.wanted) if load.digests is not None else 0,
+        "checksummed_while_loading": len(load.digests.found) if load.digests is not None else 0,
         "load_held_back": window.held_back if window is not None else 0,
         "export_seconds": time.monotonic() - loaded_at,
         "summary": (f"{mcore} ({plan.role}, {plan.family.architecture}) -> {out}: {len(plan.specs)} tensors, "
@@ -354,35 +358,27 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
 
 class _VerifiedLoad:
     """Collective: the checkpoint loading into `chunks` (in the background where it can:
-    `mcore_io.start_load_model`) while this rank hashes its share of the files. `tracker.wait` blocks
-    until a parameter is loaded (or the load ended, even in failure: the export's gathers must run
-    on every rank); `finish` raises on every rank if any checksum differs or any rank's load failed."""
+    `mcore_io.start_load_model`), hashing this rank's share of the files as it reads them (each in
+    one pass: `distcp_stream`). `wait_for` blocks until a parameter is loaded (or the load ended,
+    even in failure: the export's gathers must run on every rank); `finish` raises on every rank if
+    any checksum differs or any rank's load failed."""
 
     def __init__(self, plan: McoreToHfPlan, chunks: list[torch.nn.Module], progress: Progress,
                  window: LoadWindow | None = None) -> None:
-        self.mcore, manifest = Path(plan.request.mcore_dir), plan.manifest
+        self.mcore, self.manifest = Path(plan.request.mcore_dir), plan.manifest
         self.window = window
         self.released_bytes = 0
-        self.found: list[str] = []
-        self.hashing: threading.Thread | None = None
-        if manifest is not None and plan.request.verify_checksums:
-            share = checksum_share(manifest, rank(), get_world_size())
-
-            def check() -> None:
-                try:
-                    self.found.extend(checksum_errors(self.mcore, manifest, share))
-                except OSError as e:  # e.g. a file removed while converting
-                    self.found.append(f"{self.mcore}: cannot verify checksums: {e}")
-
-            # a daemon thread: an interrupted conversion does not wait for the hashing to finish
-            self.hashing = threading.Thread(target=check, name="sao-checksums", daemon=True)
-            self.hashing.start()
+        self.digests: FileDigests | None = None
+        if self.manifest is not None and plan.request.verify_checksums:
+            share = checksum_share(self.manifest, rank(), get_world_size(), saved_by=saving_rank)
+            self.digests = FileDigests({name: self.manifest.digest for name in share})
+        self._errors: list[str] | None = None
         self.tracker = FillTracker(tensor for _, tensor in float_state(chunks, ()))
         self.background: BackgroundLoad | None = None
         self.failure: BaseException | None = None
         try:
             self.background = start_load_model(chunks, self.mcore, on_bytes=progress.advance, tracker=self.tracker,
-                                               window=window)
+                                               window=window, digests=self.digests)
         except (Exception, CheckpointException) as e:  # a corrupt file may fail the load: its checksum error says why
             self.failure = e
         self.loaded_at = time.monotonic()
@@ -408,15 +404,27 @@ class _VerifiedLoad:
         if self.window is not None:
             self.window.given_back(nbytes)
 
+    def checksum_errors(self) -> list[str]:
+        """This rank's share: the digests the load computed, and those of files it did not read
+        whole (its pass failed, or it never ran) computed now."""
+        if self._errors is None:
+            if self.digests is None or self.manifest is None:
+                self._errors = []
+            else:
+                try:
+                    self._errors = checksum_errors(self.mcore, self.manifest, list(self.digests.wanted),
+                                                   known=self.digests.found)
+                except OSError as e:  # e.g. a file removed while converting
+                    self._errors = [f"{self.mcore}: cannot verify checksums: {e}"]
+        return self._errors
+
     def _any_rank_failed(self) -> bool:
         return bool(any_rank_flags(torch.tensor([int(self.failure is not None)], dtype=torch.int32)).item())
 
     def _raise(self) -> None:
         if self.window is not None:
             self.window.close()  # a background load held back by it must run to its end
-        if self.hashing is not None:
-            self.hashing.join()
-        raise_if_any(self.found)
+        raise_if_any(self.checksum_errors())
         if self.failure is not None:
             raise self.failure
         raise RuntimeError(f"loading {self.mcore} failed on another rank (its log has the error)")
@@ -428,9 +436,7 @@ class _VerifiedLoad:
             except (Exception, CheckpointException) as e:  # torch.distributed.checkpoint's is a BaseException
                 self.failure = e
             self.loaded_at = self.background.finished_at or time.monotonic()
-        if self.hashing is not None:
-            self.hashing.join()
-        raise_if_any(self.found)
+        raise_if_any(self.checksum_errors())
         if self._any_rank_failed():
             self._raise()
 

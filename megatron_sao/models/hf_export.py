@@ -29,6 +29,7 @@ projection) bounds the extra memory per rank.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -66,6 +67,26 @@ def _local_param(task: Any) -> torch.Tensor | None:
 _OVERRIDES_HOLDING_NOTHING = frozenset({"DeepSeekV3Bridge.maybe_modify_converted_hf_weight"})
 
 
+_LAYER = re.compile(r"layers\.\d+")
+
+
+def in_model_order(tasks: list[Any]) -> list[Any]:
+    """megatron-bridge's conversion tasks (sorted by layer, the parameters outside any layer first:
+    embedding, final norm, output layer) in the model's module order instead: embedding, the layers
+    in the bridge's order, everything else. A load reads a checkpoint in about that order (Megatron
+    saves in module order), so an export that waits for each parameter (`_task_loop`) starts as
+    soon as the embedding is in, not once the final norm at the end of a file is. Decided on names
+    alone, hence the same on every rank (pipeline stages broadcast task by task)."""
+
+    def place(task: Any) -> int:
+        name = getattr(task, "global_param_name", "")
+        if _LAYER.search(name):
+            return 1
+        return 0 if name.startswith("embedding.") else 2
+
+    return sorted(tasks, key=place)  # stable: the bridge's order within each group
+
+
 def _task_loop(wait_for: Callable[[torch.Tensor], None] | None,
                on_exported: Callable[[torch.Tensor], None] | None) -> Callable[..., Iterator[Any]]:
     """megatron-bridge's task-loop wrapper, replaced: wait for each task's local parameter first
@@ -79,6 +100,7 @@ def _task_loop(wait_for: Callable[[torch.Tensor], None] | None,
         return param.untyped_storage().data_ptr()
 
     def tasks_in_order(tasks: list[Any], description: str, show_progress: bool = True) -> Iterator[Any]:
+        tasks = in_model_order(tasks)
         remaining: dict[int, int] = {}
         for task in tasks:
             if (param := _local_param(task)) is not None:

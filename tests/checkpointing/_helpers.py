@@ -83,3 +83,25 @@ def ok(result: dict) -> dict:
     if "error" in result:
         pytest.fail(result["error"], pytrace=False)
     return result
+
+
+def refuse_direct_reads(monkeypatch) -> list[int]:
+    """Every read of an O_DIRECT descriptor fails with EINVAL, as on filesystems that accept the
+    open but not the I/O; returns the refusals."""
+    import errno
+    import fcntl
+    import os
+
+    from megatron_sao.checkpointing import direct_io
+
+    refused: list[int] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "direct I/O refused")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "preadv", preadv)
+    return refused

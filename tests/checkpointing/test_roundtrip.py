@@ -32,6 +32,8 @@ def test_hf_to_mcore_to_hf_is_bit_identical(request, family, layout, job):
     ok(results[f"export/{layout}"])
     assert results[f"export/{layout}"]["load_overlapped"], "the export ran after the load, not beside it"
     assert results[f"export/{layout}"]["released_bytes"] > 0, "no parameter was given back once exported"
+    export = results[f"export/{layout}"]
+    assert export["checksummed_while_loading"] == export["checksum_files"] > 0, "a file was read twice to be hashed"
     assert differences(case.hf_dir, case.work / f"hf_{layout}") == []
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from megatron_sao.checkpointing.hf_files import HFCheckpoint, read_safetensors_header
 from megatron_sao.checkpointing.manifest import Manifest, checksum_share
 from megatron_sao.checkpointing.writeback import HashingFile
+from tests.checkpointing._helpers import refuse_direct_reads
 
 KB = 1024
 
@@ -134,6 +135,26 @@ def test_checksum_shares_cover_every_file_once_and_balance_bytes():
     assert checksum_share(manifest, 0, 1) == sorted(sizes, key=lambda n: (-sizes[n], n))
 
 
+def test_checksum_shares_follow_the_saving_rank_while_even():
+    """A rank hashes the files it saved (it reads them in the same pass) up to an even share;
+    a checkpoint saved by fewer ranks than load it is still split evenly."""
+    from megatron_sao.checkpointing.distcp_items import saving_rank
+
+    def manifest(sizes: dict[str, int]) -> Manifest:
+        return Manifest(role="actor", architecture="x", params_dtype="bfloat16", source="s", source_format="causal_lm",
+                        layout={}, hf_tensors={}, files={n: {"bytes": b, "xxh3_128": ""} for n, b in sizes.items()})
+
+    saved_by_two = {"__0_0.distcp": 285, "__0_1.distcp": 284, "__1_0.distcp": 226, "__1_1.distcp": 225,
+                    "metadata.json": 1}
+    shares = [checksum_share(manifest(saved_by_two), r, 2, saved_by=saving_rank) for r in range(2)]
+    assert shares == [["__0_0.distcp", "__0_1.distcp"], ["__1_0.distcp", "__1_1.distcp", "metadata.json"]]
+    assert checksum_share(manifest(saved_by_two), 0, 2) == ["__0_0.distcp", "__1_1.distcp", "metadata.json"]  # by bytes
+    saved_by_one = {"__0_0.distcp": 512, "__0_1.distcp": 511, "metadata.json": 1}
+    shares = [checksum_share(manifest(saved_by_one), r, 2, saved_by=saving_rank) for r in range(2)]
+    assert shares == [["__0_0.distcp"], ["__0_1.distcp", "metadata.json"]]
+    assert saving_rank("__12_3.distcp") == 12 and saving_rank(".metadata") is None
+
+
 def test_hashing_file_hashes_what_it_writes(tmp_path):
     import xxhash
 
@@ -144,28 +165,6 @@ def test_hashing_file_hashes_what_it_writes(tmp_path):
     size, digest = stream.finish()
     data = (tmp_path / "f").read_bytes()
     assert size == len(data) == 3021 and digest == xxhash.xxh3_128(data).hexdigest()
-
-
-def _refuse_direct_reads(monkeypatch) -> list[int]:
-    """Every read of an O_DIRECT descriptor fails with EINVAL, as on filesystems that accept the
-    open but not the I/O; returns the refusals."""
-    import errno
-    import fcntl
-    import os
-
-    from megatron_sao.checkpointing import direct_io
-
-    refused: list[int] = []
-    real = os.preadv
-
-    def preadv(fd: int, buffers, offset: int) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(fd)
-            raise OSError(errno.EINVAL, "direct I/O refused")
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(direct_io.os, "preadv", preadv)
-    return refused
 
 
 @pytest.mark.parametrize("refuse", [False, True])
@@ -181,7 +180,7 @@ def test_tensors_read_past_the_page_cache_or_through_it_are_exact(checkpoint, mo
     if probe is None:
         pytest.skip("the filesystem refuses O_DIRECT")
     os.close(probe)
-    refused = _refuse_direct_reads(monkeypatch) if refuse else []
+    refused = refuse_direct_reads(monkeypatch) if refuse else []
     reference = _reference(checkpoint)
     source = PrefetchingSource(checkpoint, bucket_bytes=KB)
     try:

@@ -196,7 +196,8 @@ def export_waiting_for_parameters(hf_dir: str) -> dict[str, Any]:
     reference = {name: tensor.clone() for name, tensor in exporter.stream()}
     saved = {p.data_ptr(): p.detach().clone() for p in params}
     by_start = {p.data_ptr(): p for p in params}
-    restored: set[int] = set()
+    names = {p.data_ptr(): name for chunk in exporter.chunks for name, p in chunk.named_parameters()}
+    restored: list[int] = []
     with torch.no_grad():
         for p in params:
             p.fill_(float("nan"))
@@ -206,18 +207,35 @@ def export_waiting_for_parameters(hf_dir: str) -> dict[str, Any]:
         if key in by_start and key not in restored:
             with torch.no_grad():
                 by_start[key].copy_(saved[key])
-            restored.add(key)
+            restored.append(key)
 
     again = dict(exporter.stream(wait_for=wait_for))
     exporter.close()
     return {"same": reference.keys() == again.keys() and all(torch.equal(reference[n], again[n]) for n in reference),
-            "restored": len(restored), "params": len(params)}
+            "restored": len(set(restored)), "params": len(params), "order": [names[k] for k in restored]}
 
 
 def test_the_stream_waits_for_each_parameter_before_reading_it(tiny_hf_dir):
     (result,) = run_distributed(export_waiting_for_parameters, 1, str(tiny_hf_dir), timeout_s=300)
     assert result["same"], "a parameter was read before wait_for released it"
     assert result["restored"] == result["params"]
+    # in module order, as a load reads a checkpoint: not the bridge's (final norm and output layer first)
+    order = result["order"]
+    layers = [i for i, name in enumerate(order) if ".layers." in name]
+    assert order[0].startswith("embedding.") and layers == list(range(1, 1 + len(layers)))
+    assert {n.split(".weight")[0] for n in order[1 + len(layers):]} == {"decoder.final_layernorm", "output_layer"}
+
+
+def test_tasks_in_model_order_keeps_the_bridge_order_within_each_group():
+    from types import SimpleNamespace
+
+    from megatron_sao.models.hf_export import in_model_order
+
+    names = ["decoder.final_layernorm.weight", "embedding.word_embeddings.weight", "output_layer.weight",
+             "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+             "decoder.layers.1.mlp.linear_fc1.weight", "mtp.layers.0.enorm.weight"]
+    ordered = [t.global_param_name for t in in_model_order([SimpleNamespace(global_param_name=n) for n in names])]
+    assert ordered == [names[1], names[3], names[4], names[5], names[6], names[0], names[2]]
 
 
 def export_blanking_exported_parameters(hf_dir: str) -> dict[str, Any]:

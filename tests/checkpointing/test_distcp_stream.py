@@ -1,0 +1,70 @@
+"""distcp_stream: one pass over a file hashes every byte and fills every item exactly, past the page
+cache or through it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_sao.checkpointing.digest import digest_file
+from megatron_sao.checkpointing.direct_io import ALIGN
+from megatron_sao.checkpointing.distcp_stream import StreamItem, stream_file
+from tests.checkpointing._helpers import refuse_direct_reads
+
+
+def _file(tmp_path, nbytes: int) -> tuple[str, torch.Tensor]:
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data.numpy().tobytes())
+    return str(path), data
+
+
+def _items(spans: list[tuple[int, int]], dtype: torch.dtype, log: list[str]) -> list[StreamItem]:
+    items = []
+    for i, (start, nbytes) in enumerate(spans):
+        target = torch.full((nbytes // dtype.itemsize,), 7, dtype=dtype)
+        items.append(StreamItem(name=f"item{i}", start=start, target=target,
+                                done=lambda i=i: log.append(f"done item{i}")))
+    return items
+
+
+@pytest.mark.parametrize("how", ["direct", "refused", "buffered"])
+def test_one_pass_fills_every_item_and_hashes_the_whole_file(tmp_path, monkeypatch, how):
+    """Items at unaligned offsets, spanning several chunks, touching the file's first and last
+    bytes, listed out of order; a filesystem refusing direct reads (or direct I/O off) gets the
+    same bytes through the page cache."""
+    size = 5 * 2 * ALIGN + 123  # five chunks of 2 blocks and a partial one
+    path, data = _file(tmp_path, size)
+    refused = refuse_direct_reads(monkeypatch) if how == "refused" else []
+    if how == "buffered":
+        monkeypatch.setenv("SAO_DIRECT_IO", "0")
+    log: list[str] = []
+    spans = [(3 * ALIGN + 10, 2 * ALIGN), (0, 6), (7, 4 * ALIGN + 2), (size - 12, 12), (2 * ALIGN, 0)]
+    items = _items(spans, torch.bfloat16, log)
+    admit = lambda nbytes: log.append(f"admit {nbytes}")  # noqa: E731
+    digest = stream_file(path, items, "xxh3_128", admit=admit, chunk_bytes=2 * ALIGN)
+    assert digest == digest_file(tmp_path / "__0_0.distcp", "xxh3_128")
+    for item, (start, nbytes) in zip(items, spans, strict=True):
+        assert torch.equal(item.target.view(torch.uint8), data[start:start + nbytes]), item.name
+    assert sorted(line for line in log if line.startswith("done")) == [f"done item{i}" for i in range(5)]
+    for i, (_, nbytes) in enumerate(spans):  # each item admitted (its bytes) before it is done
+        assert log.index(f"done item{i}") > log.index(f"admit {nbytes}")
+    assert bool(refused) == (how == "refused")
+
+
+def test_an_item_past_the_end_of_the_file_names_it(tmp_path):
+    path, _ = _file(tmp_path, 3 * ALIGN)
+    log: list[str] = []
+    items = _items([(0, 16), (3 * ALIGN - 8, 16)], torch.float32, log)
+    with pytest.raises(OSError, match=r"ends inside tensor item 'item1': truncated file"):
+        stream_file(path, items, "xxh3_128", chunk_bytes=2 * ALIGN)
+    assert log == ["done item0"]
+
+
+def test_an_empty_file_hashes_like_one(tmp_path):
+    path = tmp_path / "empty.distcp"
+    path.write_bytes(b"")
+    assert stream_file(str(path), [], "sha256") == digest_file(path, "sha256")
+    assert os.path.getsize(path) == 0
