@@ -11,14 +11,16 @@ posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memor
 2. sequential read of its safetensors files (16 MB reads) and a sequential write of as many bytes
    with fsync (conversions write what they read), each through the page cache and past it
    (O_DIRECT where the filesystem takes it, as conversions write, `direct_io`): the disk's read
-   and write speeds R and W are the faster of each pair;
+   and write speeds R and W are the faster of each pair; then the same read and write at once
+   (two threads, O_DIRECT): a conversion reads and writes every byte, and a disk that does one at
+   a time (measured so on the CI VM, 2026-12-03) holds any conversion to 1/(1/R + 1/W);
    then a checksummed copy of the files (read through the page cache, the manifest's digest,
    write as conversions write, fsync; two threads):
    the per-byte work no conversion avoids, hence the most one can reach on this host;
 3. for each rank count of --nproc (default 1 and 2; EP = ranks unless --ep), in fresh processes:
    `hf-to-mcore`, then `mcore-to-hf` of the result: throughput = HF bytes / seconds;
-and prints each throughput as a fraction of min(sequential read, sequential write) and of the
-checksummed copy's, and, for every rank, the growth of its resident memory during the conversion
+and prints each throughput as a fraction of min(sequential read, sequential write), of reading and
+writing at once, and of the checksummed copy's, and, for every rank, the growth of its resident memory during the conversion
 (peak RSS reset before it, `checkpointing.rss`) against its shard's bytes and the I/O bucket
 (--io-bucket-mb).
 Everything is deleted at the end unless --keep.
@@ -157,6 +159,24 @@ def sequential_write(path: Path, nbytes: int, direct: bool) -> float:
     return seconds
 
 
+def read_and_write_at_once(files: list[Path], path: Path, nbytes: int) -> float:
+    """Seconds to read `files` and write `nbytes` to `path` (+fsync) at the same time, both the
+    faster way (O_DIRECT where taken), in two threads. A conversion reads and writes every byte; if
+    the disk cannot do both at full speed at once (one virtual disk, one link), this and not
+    min(read, write) is the most a conversion can reach."""
+    import threading
+
+    seconds: list[float] = []
+    writer = threading.Thread(target=lambda: seconds.append(sequential_write(path, nbytes, direct=True)))
+    start = time.monotonic()
+    writer.start()
+    sequential_read(files, direct=True)
+    writer.join()
+    if not seconds:
+        raise RuntimeError(f"the write probe of {path} failed (its error is above)")
+    return time.monotonic() - start
+
+
 def checksummed_copy(files: list[Path], destination: Path, algorithm: str = DEFAULT_DIGEST) -> float:
     """Seconds to copy `files` into one file with the manifest's digest of every byte and fsync,
     reading and writing in two threads, written the way conversions write (`direct_io.hashing_file`):
@@ -192,12 +212,13 @@ def peak_rss_bytes() -> int:
 
 
 def _report(direction: str, layout_text: str, nproc: int, model_bytes: int, bound: float, ceiling: float,
-            per_rank: list[dict], bucket: int) -> None:
+            per_rank: list[dict], bucket: int, duplex: float) -> None:
     seconds = per_rank[0]["seconds"]
     speed = model_bytes / seconds
     cpu = sum(r["cpu_seconds"] for r in per_rank)
     print(f"{direction} [{layout_text}, {nproc} rank(s)]: {seconds:.2f} s = {human_bytes(speed)}/s = "
-          f"{speed / bound:.2f} x min(read, write) = {speed / ceiling:.2f} x the checksummed copy  "
+          f"{speed / bound:.2f} x min(read, write) = {speed / duplex:.2f} x read and write at once = "
+          f"{speed / ceiling:.2f} x the checksummed copy  "
           f"({_phases(per_rank[0])}); CPU {cpu:.1f} s over all ranks "
           f"and threads = {cpu / (model_bytes / 1e9):.1f} CPU-s/GB, {cpu / seconds:.2f} of {os.cpu_count()} cores busy")
     for rank, r in enumerate(per_rank):
@@ -270,6 +291,14 @@ def main() -> None:
         bound = min(read_speed, write_speed)
         print(f"bound min(read, write) = {human_bytes(bound)}/s (a conversion writes as many bytes as it reads)")
         evict(work)
+        both_s = read_and_write_at_once(files, work / "write_probe", model_bytes)
+        duplex = model_bytes / both_s
+        one_at_a_time = 1 / (1 / read_speed + 1 / write_speed)
+        print(f"read and write at once: {human_bytes(model_bytes)} each way in {both_s:.2f} s = "
+              f"{human_bytes(duplex)}/s = {duplex / bound:.2f} x min(read, write) (1/(1/R + 1/W) = "
+              f"{one_at_a_time / bound:.2f} x if the disk does one at a time): the most a conversion, "
+              "reading and writing every byte, can reach")
+        evict(work)
         copy_s = checksummed_copy(files, work / "copy_probe")
         print(f"checksummed copy (read + {DEFAULT_DIGEST} + write + fsync, 2 threads): {copy_s:.2f} s = "
               f"{human_bytes(model_bytes / copy_s)}/s = {model_bytes / copy_s / bound:.2f} x min(read, write): "
@@ -285,11 +314,12 @@ def main() -> None:
             up = run_distributed(rank_job, nproc, convert_hf_to_mcore, HfToMcoreRequest(
                 hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False, io_bucket_bytes=bucket),
                 timeout_s=24 * 3600)
-            _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, model_bytes / copy_s, up, bucket)
+            ceiling = model_bytes / copy_s
+            _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, ceiling, up, bucket, duplex)
             evict(work)
             down = run_distributed(rank_job, nproc, convert_mcore_to_hf, McoreToHfRequest(
                 mcore_dir=mcore, out_dir=hf_out, layout=layout, progress=False), timeout_s=24 * 3600)
-            _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, model_bytes / copy_s, down, bucket)
+            _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, ceiling, down, bucket, duplex)
             if not args.keep:
                 shutil.rmtree(mcore, ignore_errors=True)
                 shutil.rmtree(hf_out, ignore_errors=True)
