@@ -122,8 +122,11 @@ class ParallelFileReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name in self.digests.wanted if self.digests is not None else ():
             per_file.setdefault(name, [])
+        hashed = self.digests.wanted if self.digests is not None else {}
+        # files read in part first (e.g. the replicated tensors another rank saved): they are quick,
+        # and a whole-file pass started first would keep the export waiting for them
         files = [(name, sorted(items, key=lambda i: self.storage_data[i.storage_index].offset))
-                 for name, items in per_file.items()]
+                 for name, items in sorted(per_file.items(), key=lambda entry: entry[0] in hashed)]
         if len(files) <= 1 or self.thread_count == 1:
             for name, items in files:
                 self._read_file(name, items, plan, planner)
