@@ -16,6 +16,8 @@ fresh pages to fault in):
 - `pread_whole_blocks`: bytes at any offset, read as the whole blocks around them into a new
   aligned buffer (HF tensors in `hf_reader`): no page-cache pages, which on that VM cost like any
   fresh memory (each is faulted in from the host).
+- `Bounce`: the aligned buffer itself, also used by `distcp_stream` (mcore-to-hf reads each
+  `.distcp` file of its checksum share once, front to back, hashing it and filling its items).
 
 Where the filesystem refuses O_DIRECT (tmpfs, some FUSE and network filesystems: EINVAL at open or
 at the first read or write), I/O goes through the page cache as before. `SAO_DIRECT_IO=0` turns

@@ -1,6 +1,6 @@
 """One front-to-back pass over a `.distcp` file that hashes every byte and copies the tensor items a
 rank loads straight into their targets, reading past the page cache (O_DIRECT where the
-filesystem takes it) into one reused buffer.
+filesystem takes it) into two reused buffers (the next block is read while one is used).
 
 mcore-to-hf used to read each file it verifies twice: the manifest check hashed it through the
 page cache on one thread while the load `preadv`ed its items from there into the parameters on
@@ -8,7 +8,8 @@ another. On the CI VM a page-cache page costs like any fresh memory (faulted in 
 docs/conversion.md#direct-io): the checksum thread's buffered read was a fifth of the conversion's
 CPU, and the page cache took the pages the export had just given back (`page_release`), so the
 parameters were faulted in fresh as well. Here each byte is read once, into memory that stays
-resident, and the page cache does not grow with the checkpoint.
+resident, and the page cache does not grow with the checkpoint (measured: docs/conversion.md,
+Benchmark, "one read per file").
 
 The caller finds where each item's bytes lie first (`distcp_items.storage_range`, small reads near
 each item's ends); this pass then reads the file in `chunk_bytes` blocks and, for each block, hashes

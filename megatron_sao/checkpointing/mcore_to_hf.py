@@ -12,7 +12,8 @@ allows it: `reports_exported`);
 on several nodes the output directory must be on a filesystem every rank sees. The export
 runs while the model loads (`dist_reader.BackgroundLoad`: every collective of the load runs first,
 then the export waits for each parameter it reads), and the manifest's checksums are verified
-beside both, each rank hashing its share of the files (`manifest.checksum_share`); a checksum
+as the files load, each rank hashing its share of the files (`manifest.checksum_share`) in the
+same pass that loads them (`distcp_stream`); a checksum
 mismatch or a failed load on any rank fails every rank after the export and before anything is
 committed (the staging directory is removed). The output tensor
 table (names, shapes, dtypes) comes from the manifest, so the export writes exactly the tensors
