@@ -9,6 +9,7 @@ filled before its first task; a parameter is checked after its last task and the
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from megatron_sao.checkpointing.fill_tracker import FillTracker
+
+FILL_AHEAD_BYTES = 64 * 2**20
 
 
 def has_nan(tensor: torch.Tensor) -> bool:
@@ -28,8 +31,12 @@ class _FillAhead:
     touch of the shard's memory (page faults plus a write of every byte, a third of the load's CPU
     when it ran inline), and `fill_` releases the GIL, so it runs beside megatron-bridge's loop."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], max_ahead_bytes: int) -> None:
         self._tensors = tensors
+        self._ends = list(itertools.accumulate(t.numel() * t.element_size() for t in tensors))
+        self._max_ahead = max_ahead_bytes
+        self._needed = -1
+        """The last index the task loop has asked for."""
         self._filled = 0
         self._error: BaseException | None = None
         self._stopped = False
@@ -43,6 +50,8 @@ class _FillAhead:
         try:
             with torch.no_grad():
                 for i, tensor in enumerate(self._tensors):
+                    with self._cond:
+                        self._cond.wait_for(lambda i=i: self._stopped or self._may_fill(i))
                     if self._stopped:
                         return
                     tensor.fill_(float("nan"))
@@ -54,15 +63,27 @@ class _FillAhead:
                 self._error = e
                 self._cond.notify_all()
 
+    def _may_fill(self, index: int) -> bool:
+        """Fill `index` if the loop needs it, or if it ends at most `max_ahead_bytes` past what the
+        loop needs: pages the writer gives back (`page_release`) are then reused within moments,
+        not after the fill has touched the rest of the shard fresh."""
+        needed_end = self._ends[self._needed] if self._needed >= 0 else 0
+        return index <= self._needed or self._ends[index] - needed_end <= self._max_ahead
+
     def wait_filled(self, index: int) -> None:
         """Block until `tensors[index]` is filled (the task loop may write it then)."""
         with self._cond:
+            if index > self._needed:
+                self._needed = index
+                self._cond.notify_all()
             self._cond.wait_for(lambda: self._filled > index or self._error is not None)
             if self._error is not None and self._filled <= index:
                 raise RuntimeError(f"filling the model with NaN before loading failed: {self._error}") from self._error
 
     def stop(self) -> None:
-        self._stopped = True
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join()
 
@@ -133,7 +154,7 @@ class FillSchedule:
                     tensor.fill_(float("nan"))
 
     def run(self, tasks: list[Any]) -> Iterator[Any]:
-        fill = _FillAhead(self.targets)
+        fill = _FillAhead(self.targets, FILL_AHEAD_BYTES)
         check = _CheckBehind(self.tracker, self.checked) if self.tracker is not None else None
         fill.start()
         if check is not None:

@@ -185,3 +185,34 @@ def test_fill_schedule_stops_its_threads_when_the_task_loop_fails():
             raise ValueError("bridge failed")
     time.sleep(0.05)
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("sao-nan-")]
+
+
+def test_the_fill_runs_at_most_its_bound_ahead_of_the_task_loop():
+    """The NaN fill is the first touch of the shard: bounded, it fills the pages the writer just
+    gave back instead of running through the whole shard first."""
+    from megatron_sao.checkpointing.fill_schedule import _FillAhead
+
+    tensors = [torch.zeros(256) for _ in range(8)]  # 1 KiB each
+    fill = _FillAhead(tensors, max_ahead_bytes=2 * 1024)
+    fill.start()
+    try:
+        fill.wait_filled(0)
+        time.sleep(0.2)  # room for the fill to run on, were it unbounded
+        assert [bool(torch.isnan(t).all()) for t in tensors] == [True] * 3 + [False] * 5  # 0, then 2 KiB past it
+        fill.wait_filled(4)
+        time.sleep(0.2)
+        assert [bool(torch.isnan(t).all()) for t in tensors] == [True] * 7 + [False]
+        fill.wait_filled(7)
+    finally:
+        fill.stop()
+    assert all(torch.isnan(t).all() for t in tensors)
+
+
+def test_a_fill_held_back_by_its_bound_stops():
+    from megatron_sao.checkpointing.fill_schedule import _FillAhead
+
+    fill = _FillAhead([torch.zeros(256) for _ in range(4)], max_ahead_bytes=1)
+    fill.start()
+    time.sleep(0.05)
+    fill.stop()  # returns: the waiting fill thread is woken and ends
+    assert not [t for t in threading.enumerate() if t.name == "sao-nan-fill"]
