@@ -29,7 +29,8 @@ def has_nan(tensor: torch.Tensor) -> bool:
 class _FillAhead:
     """NaN-fills `tensors` in order on its own thread, ahead of the task loop: the fill is the first
     touch of the shard's memory (page faults plus a write of every byte, a third of the load's CPU
-    when it ran inline), and `fill_` releases the GIL, so it runs beside megatron-bridge's loop."""
+    when it ran inline), and `fill_` releases the GIL, so it runs beside megatron-bridge's loop. It
+    stays at most `max_ahead_bytes` ahead of the last parameter the loop asked for (`_may_fill`)."""
 
     def __init__(self, tensors: list[torch.Tensor], max_ahead_bytes: int) -> None:
         self._tensors = tensors
