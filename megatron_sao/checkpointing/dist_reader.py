@@ -145,8 +145,8 @@ class ParallelFileReader(FileSystemReader):
         rest: list[ReadItem] = []
         streamed: list[StreamItem] = []
         with open(path, "rb", buffering=0) as file:
-            if hashed:  # only the probes below read through the page cache: no read-ahead of the rest
-                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            if hashed and hasattr(os, "posix_fadvise"):  # (Linux) only the probes below read through
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # the page cache: no read-ahead
             for item in items:
                 found = self._raw_target(file.fileno(), item, planner)
                 if found is None:
