@@ -32,13 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_sao.checkpointing import critic_format as cf
-from megatron_sao.checkpointing.distcp_items import saving_rank
-from megatron_sao.checkpointing.distcp_stream import FileDigests
 from megatron_sao.checkpointing.families import Family, family_of
-from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.hf_files import (
     ST_TO_TORCH,
     TORCH_TO_ST,
@@ -47,7 +43,6 @@ from megatron_sao.checkpointing.hf_files import (
     read_config,
     read_safetensors_header,
 )
-from megatron_sao.checkpointing.hf_load import float_state
 from megatron_sao.checkpointing.load_window import LoadWindow
 from megatron_sao.checkpointing.manifest import (
     HF_DIR,
@@ -56,11 +51,9 @@ from megatron_sao.checkpointing.manifest import (
     Manifest,
     check_dist_checkpoint_files,
     check_files,
-    checksum_errors,
-    checksum_share,
     read_manifest,
 )
-from megatron_sao.checkpointing.mcore_io import start_load_model, tensor_table
+from megatron_sao.checkpointing.mcore_io import tensor_table
 from megatron_sao.checkpointing.model_setup import (
     DTYPES,
     Layout,
@@ -78,13 +71,12 @@ from megatron_sao.checkpointing.output_dir import (
     disk_full_as_value_error,
     human_bytes,
 )
-from megatron_sao.checkpointing.page_release import release_pages
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from megatron_sao.checkpointing.verified_load import VerifiedLoad
 from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.models.hf_export import HFWeightExporter, OwnedTensor
 from megatron_sao.platform.collective import (
-    any_rank_flags,
     barrier,
     broadcast_object,
     gather_objects,
@@ -95,7 +87,7 @@ from megatron_sao.platform.collective import (
 from megatron_sao.platform.collective import world_size as get_world_size
 
 if TYPE_CHECKING:
-    from megatron_sao.checkpointing.dist_reader import BackgroundLoad
+    pass
 
 EXPORT_MARKER = OUTPUT_MARKERS[1]  # sao_export.json: marks an HF export that --overwrite may replace
 
@@ -115,8 +107,8 @@ class McoreToHfRequest:
     max_shard_bytes: int = 5 * 10**9
     verify_checksums: bool = True
     """Check every file's digest against the manifest before exporting (a flipped bit in a shard is
-    otherwise exported silently); one extra read of the checkpoint, split over the ranks and
-    overlapping the load."""
+    otherwise exported silently); the files are split over the ranks, each hashed in the same pass
+    that loads it (`distcp_stream`), so only the files a rank loads nothing from are read for it."""
     progress: bool = True
     release_exported: bool = True
     """Give each parameter's memory back to the OS once exported (`page_release`), and hold the load
@@ -295,7 +287,8 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         with disk_full_as_value_error(staged.tmp), one_op_thread():
             sink = _open_sink(plan, staged.tmp, progress)
             window = LoadWindow(request.io_bucket_bytes) if request.release_exported else None
-            load = _VerifiedLoad(plan, chunks, progress, window)
+            load = VerifiedLoad(mcore, plan.manifest if request.verify_checksums else None, chunks, progress,
+                                window)
             overlapped = load.background is not None
             exporter = None
             try:
@@ -355,91 +348,6 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
                     f"{human_bytes(total)} [{request.layout.describe()}, {get_world_size()} ranks] in {seconds:.1f} s"
                     + (f"; {len(rounded)} tensors rounded to their export dtype" if rounded else "")),
     }
-
-
-class _VerifiedLoad:
-    """Collective: the checkpoint loading into `chunks` (in the background where it can:
-    `mcore_io.start_load_model`), hashing this rank's share of the files as it reads them (each in
-    one pass: `distcp_stream`). `wait_for` blocks until a parameter is loaded (or the load ended,
-    even in failure: the export's gathers must run on every rank); `finish` raises on every rank if
-    any checksum differs or any rank's load failed."""
-
-    def __init__(self, plan: McoreToHfPlan, chunks: list[torch.nn.Module], progress: Progress,
-                 window: LoadWindow | None = None) -> None:
-        self.mcore, self.manifest = Path(plan.request.mcore_dir), plan.manifest
-        self.window = window
-        self.released_bytes = 0
-        self.digests: FileDigests | None = None
-        if self.manifest is not None and plan.request.verify_checksums:
-            share = checksum_share(self.manifest, rank(), get_world_size(), saved_by=saving_rank)
-            self.digests = FileDigests({name: self.manifest.digest for name in share})
-        self._errors: list[str] | None = None
-        self.tracker = FillTracker(tensor for _, tensor in float_state(chunks, ()))
-        self.background: BackgroundLoad | None = None
-        self.failure: BaseException | None = None
-        try:
-            self.background = start_load_model(chunks, self.mcore, on_bytes=progress.advance, tracker=self.tracker,
-                                               window=window, digests=self.digests)
-        except (Exception, CheckpointException) as e:  # a corrupt file may fail the load: its checksum error says why
-            self.failure = e
-        self.loaded_at = time.monotonic()
-        if self._any_rank_failed():  # before the export: a rank without its weights must not gather
-            self._raise()
-
-    def wait_for(self, parameter: torch.Tensor) -> None:
-        """Block until `parameter` is loaded (the load is not held back meanwhile)."""
-        if self.window is None:
-            self.tracker.wait(parameter)
-            return
-        with self.window.consumer_waiting():
-            self.tracker.wait(parameter)
-
-    def give_back(self, parameter: torch.Tensor) -> None:
-        """`parameter` is exported and never read again: its pages go back to the OS, and the load
-        may run that much further ahead."""
-        span = self.tracker.span(parameter) if parameter.numel() else None
-        if span is None:
-            return
-        address, nbytes = self.tracker.extent(span)
-        self.released_bytes += release_pages(address, nbytes)
-        if self.window is not None:
-            self.window.given_back(nbytes)
-
-    def checksum_errors(self) -> list[str]:
-        """This rank's share: the digests the load computed, and those of files it did not read
-        whole (its pass failed, or it never ran) computed now."""
-        if self._errors is None:
-            if self.digests is None or self.manifest is None:
-                self._errors = []
-            else:
-                try:
-                    self._errors = checksum_errors(self.mcore, self.manifest, list(self.digests.wanted),
-                                                   known=self.digests.found)
-                except OSError as e:  # e.g. a file removed while converting
-                    self._errors = [f"{self.mcore}: cannot verify checksums: {e}"]
-        return self._errors
-
-    def _any_rank_failed(self) -> bool:
-        return bool(any_rank_flags(torch.tensor([int(self.failure is not None)], dtype=torch.int32)).item())
-
-    def _raise(self) -> None:
-        if self.window is not None:
-            self.window.close()  # a background load held back by it must run to its end
-        raise_if_any(self.checksum_errors())
-        if self.failure is not None:
-            raise self.failure
-        raise RuntimeError(f"loading {self.mcore} failed on another rank (its log has the error)")
-
-    def finish(self) -> None:
-        if self.background is not None:
-            try:
-                self.background.join()
-            except (Exception, CheckpointException) as e:  # torch.distributed.checkpoint's is a BaseException
-                self.failure = e
-            self.loaded_at = self.background.finished_at or time.monotonic()
-        raise_if_any(self.checksum_errors())
-        if self._any_rank_failed():
-            self._raise()
 
 
 def _copy_passthrough(plan: McoreToHfPlan, mcore: Path, sink: _Sink) -> None:
