@@ -85,9 +85,9 @@ def ok(result: dict) -> dict:
     return result
 
 
-def refuse_direct_reads(monkeypatch) -> list[int]:
-    """Every read of an O_DIRECT descriptor fails with EINVAL, as on filesystems that accept the
-    open but not the I/O; returns the refusals."""
+def refuse_direct_io(monkeypatch, call: str = "preadv") -> list[int]:
+    """Every `os.<call>` (`preadv` or `pwrite`) on an O_DIRECT descriptor fails with EINVAL, as on
+    filesystems that accept the open but not the I/O; returns the refusals."""
     import errno
     import fcntl
     import os
@@ -95,13 +95,13 @@ def refuse_direct_reads(monkeypatch) -> list[int]:
     from megatron_sao.checkpointing import direct_io
 
     refused: list[int] = []
-    real = os.preadv
+    real = getattr(os, call)
 
-    def preadv(fd: int, buffers, offset: int) -> int:
+    def refusing(fd: int, data, offset: int) -> int:
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             refused.append(fd)
             raise OSError(errno.EINVAL, "direct I/O refused")
-        return real(fd, buffers, offset)
+        return real(fd, data, offset)
 
-    monkeypatch.setattr(direct_io.os, "preadv", preadv)
+    monkeypatch.setattr(direct_io.os, call, refusing)
     return refused

@@ -3,8 +3,6 @@ and size, with fallbacks where the filesystem refuses O_DIRECT."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import random
 from pathlib import Path
@@ -20,6 +18,7 @@ from megatron_sao.checkpointing.direct_io import (
     open_direct,
 )
 from megatron_sao.checkpointing.writeback import HashingFile
+from tests.checkpointing._helpers import refuse_direct_io
 
 
 @pytest.fixture
@@ -63,25 +62,9 @@ def test_direct_writes_can_be_turned_off(tmp_path, monkeypatch):
     assert stream.finish()[0] == 3
 
 
-def _refuse_direct_writes(monkeypatch) -> list[int]:
-    """Make every write to an O_DIRECT descriptor fail with EINVAL, as some filesystems do after
-    accepting the open; returns the list of refusals."""
-    refused: list[int] = []
-    real = os.pwrite
-
-    def pwrite(fd: int, data, offset: int) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(fd)
-            raise OSError(errno.EINVAL, "direct I/O refused")
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(direct_io.os, "pwrite", pwrite)
-    return refused
-
-
 def test_a_filesystem_refusing_direct_writes_gets_buffered_ones_and_loses_nothing(direct_dir, small_bounce,
                                                                                    monkeypatch):
-    refused = _refuse_direct_writes(monkeypatch)
+    refused = refuse_direct_io(monkeypatch, "pwrite")
     stream = hashing_file(direct_dir / "f")
     expected = b"".join(_pieces(1))
     for piece in _pieces(1):
@@ -111,7 +94,7 @@ def test_positional_writes_from_two_writers_land_exactly(direct_dir, small_bounc
     """Two writers (as two ranks) share one pre-sized file and write interleaved ranges whose edges
     share blocks; the file ends byte-identical to the source."""
     if refuse:
-        refused = _refuse_direct_writes(monkeypatch)
+        refused = refuse_direct_io(monkeypatch, "pwrite")
     total = 40 * ALIGN + 123
     source = random.Random(7).randbytes(total)
     path = direct_dir / "model.safetensors"

@@ -11,7 +11,7 @@ import torch
 from megatron_sao.checkpointing.digest import digest_file
 from megatron_sao.checkpointing.direct_io import ALIGN
 from megatron_sao.checkpointing.distcp_stream import StreamItem, stream_file
-from tests.checkpointing._helpers import refuse_direct_reads
+from tests.checkpointing._helpers import refuse_direct_io
 
 
 def _file(tmp_path, nbytes: int) -> tuple[str, torch.Tensor]:
@@ -37,7 +37,7 @@ def test_one_pass_fills_every_item_and_hashes_the_whole_file(tmp_path, monkeypat
     same bytes through the page cache."""
     size = 5 * 2 * ALIGN + 123  # five chunks of 2 blocks and a partial one
     path, data = _file(tmp_path, size)
-    refused = refuse_direct_reads(monkeypatch) if how == "refused" else []
+    refused = refuse_direct_io(monkeypatch) if how == "refused" else []
     if how == "buffered":
         monkeypatch.setenv("SAO_DIRECT_IO", "0")
     log: list[str] = []

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from megatron_sao.checkpointing.hf_files import HFCheckpoint, read_safetensors_header
 from megatron_sao.checkpointing.manifest import Manifest, checksum_share
 from megatron_sao.checkpointing.writeback import HashingFile
-from tests.checkpointing._helpers import refuse_direct_reads
+from tests.checkpointing._helpers import refuse_direct_io
 
 KB = 1024
 
@@ -180,7 +180,7 @@ def test_tensors_read_past_the_page_cache_or_through_it_are_exact(checkpoint, mo
     if probe is None:
         pytest.skip("the filesystem refuses O_DIRECT")
     os.close(probe)
-    refused = refuse_direct_reads(monkeypatch) if refuse else []
+    refused = refuse_direct_io(monkeypatch) if refuse else []
     reference = _reference(checkpoint)
     source = PrefetchingSource(checkpoint, bucket_bytes=KB)
     try:
