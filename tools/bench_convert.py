@@ -20,9 +20,9 @@ posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memor
 3. for each rank count of --nproc (default 1 and 2; EP = ranks unless --ep), in fresh processes:
    `hf-to-mcore`, then `mcore-to-hf` of the result: throughput = HF bytes / seconds;
 and prints each throughput as a fraction of min(sequential read, sequential write), of reading and
-writing at once, and of the checksummed copy's, and, for every rank, the growth of its resident memory during the conversion
-(peak RSS reset before it, `checkpointing.rss`) against its shard's bytes and the I/O bucket
-(--io-bucket-mb).
+writing at once, and of the checksummed copy's, and, for every rank, the growth of its resident
+memory during the conversion (peak RSS reset before it, `checkpointing.rss`) against its shard's
+bytes and the I/O bucket (--io-bucket-mb).
 Everything is deleted at the end unless --keep.
 """
 

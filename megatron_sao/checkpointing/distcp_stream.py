@@ -64,10 +64,13 @@ def stream_file(path: str, items: list[StreamItem], algorithm: str,
     assert chunk_bytes % ALIGN == 0
     pending = sorted(items, key=lambda item: item.start)
     hasher = new_hasher(algorithm)
-    bounces = [Bounce(chunk_bytes), Bounce(chunk_bytes)]  # one is read into while the other is used
-    blocks = [torch.frombuffer(bounce.view, dtype=torch.uint8) for bounce in bounces]
     reader = _Reader(path)
     size = os.fstat(reader.fd).st_size
+    # no bigger than the file: most of a checkpoint's files (metadata, tokenizer) are a few KB, and
+    # a rank streams them all when they fall in its checksum share
+    chunk_bytes = max(ALIGN, min(chunk_bytes, -(-size // ALIGN) * ALIGN))
+    bounces = [Bounce(chunk_bytes), Bounce(chunk_bytes)]  # one is read into while the other is used
+    blocks = [torch.frombuffer(bounce.view, dtype=torch.uint8) for bounce in bounces]
 
     def read(which: int, position: int) -> int:
         wanted = min(chunk_bytes, size - position)

@@ -68,3 +68,24 @@ def test_an_empty_file_hashes_like_one(tmp_path):
     path.write_bytes(b"")
     assert stream_file(str(path), [], "sha256") == digest_file(path, "sha256")
     assert os.path.getsize(path) == 0
+
+
+def test_buffers_are_no_bigger_than_a_small_file(tmp_path, monkeypatch):
+    """A file smaller than the chunk (metadata, tokenizer) gets buffers of its own size, rounded up
+    to the block, and still the same bytes."""
+    from megatron_sao.checkpointing import distcp_stream
+
+    sizes: list[int] = []
+    real = distcp_stream.Bounce
+
+    def recording(nbytes: int | None = None) -> object:
+        sizes.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(distcp_stream, "Bounce", recording)
+    path, data = _file(tmp_path, ALIGN + 5)
+    log: list[str] = []
+    items = _items([(1, ALIGN + 2)], torch.uint8, log)
+    assert stream_file(path, items, "xxh3_128") == digest_file(path, "xxh3_128")
+    assert torch.equal(items[0].target, data[1:ALIGN + 3])
+    assert sizes == [2 * ALIGN, 2 * ALIGN]
