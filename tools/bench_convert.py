@@ -228,6 +228,9 @@ def _report(direction: str, layout_text: str, nproc: int, model_bytes: int, boun
               f"{human_bytes(grown)} = {grown / max(shard, 1):.2f} x its shard ({human_bytes(shard)}); over the "
               f"shard: {human_bytes(grown - shard)} = {(grown - shard) / bucket:.2f} x the I/O bucket"
               + ("" if r["rss_peak_reset"] else " (peak not resettable here: lifetime peak)"))
+        print(f"    CPU {r['cpu_seconds']:.2f} s, of it kernel {r['kernel_cpu_seconds']:.2f} s; memory touched "
+              f"fresh (page faults): {human_bytes(r['faulted_bytes'])} = {r['faulted_bytes'] / max(shard, 1):.2f} "
+              "x its shard")
 
 
 def main() -> None:

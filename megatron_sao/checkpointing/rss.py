@@ -66,7 +66,10 @@ def warm_up(config_dir: Path) -> None:
 def measured(fn: Callable[..., dict], *args: Any, warm_dir: Path | None = None) -> dict:
     """`fn(*args)`'s result plus `rss_start` and `rss_peak` (bytes) of this rank during the call
     (after `warm_up(warm_dir)` when given), and `cpu_seconds`: CPU time of all its threads (on a
-    shared host, wall time says little; CPU time per byte says what the conversion costs)."""
+    shared host, wall time says little; CPU time per byte says what the conversion costs), of it
+    `kernel_cpu_seconds`, and `faulted_bytes`: memory first touched during the call (minor page
+    faults x page size; every such page is zeroed by the kernel, the largest kernel cost measured
+    on the CI VM, docs/conversion.md#limits)."""
     import gc
     import resource
 
@@ -80,5 +83,7 @@ def measured(fn: Callable[..., dict], *args: Any, warm_dir: Path | None = None) 
     result = dict(fn(*args))
     end = resource.getrusage(resource.RUSAGE_SELF)
     result.update(rss_start=start, rss_peak=_status_kb("VmHWM") * 1024, rss_peak_reset=reset,
-                  cpu_seconds=end.ru_utime + end.ru_stime - cpu.ru_utime - cpu.ru_stime)
+                  cpu_seconds=end.ru_utime + end.ru_stime - cpu.ru_utime - cpu.ru_stime,
+                  kernel_cpu_seconds=end.ru_stime - cpu.ru_stime,
+                  faulted_bytes=(end.ru_minflt - cpu.ru_minflt) * resource.getpagesize())
     return result

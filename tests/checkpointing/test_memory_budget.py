@@ -50,7 +50,8 @@ def _check_budget(hf: Path, work: Path, nproc: int, bucket: int) -> None:
             assert r["rss_peak_reset"], "this kernel cannot reset the peak RSS: the measurement would be wrong"
             grown, shard = r["rss_peak"] - r["rss_start"], r["shard_bytes"]
             line = (f"rank {rank}/{nproc} {direction}: grew {grown / MiB:.0f} MiB = shard {shard / MiB:.0f} MiB + "
-                    f"{(grown - shard) / MiB:.0f} MiB (allowed: bucket {bucket / MiB:.0f} + margin {MARGIN / MiB:.0f})")
+                    f"{(grown - shard) / MiB:.0f} MiB (allowed: bucket {bucket / MiB:.0f} + margin {MARGIN / MiB:.0f})"
+                    f"; touched fresh {r['faulted_bytes'] / MiB:.0f} MiB")
             lines.append(line)
             if grown > shard + bucket + MARGIN:
                 over.append(line)
