@@ -31,6 +31,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -236,13 +237,19 @@ class PositionalWriter:
                 self._bounce = None
 
 
-def pread_whole_blocks(fd: int, offset: int, nbytes: int) -> torch.Tensor | None:
+def _new_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def pread_whole_blocks(fd: int, offset: int, nbytes: int,
+                       allocate: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor | None:
     """Bytes [offset, offset + nbytes) of the O_DIRECT descriptor `fd` as a uint8 tensor (a view
-    into a new buffer holding the whole blocks around them); None where the filesystem refuses the
-    read (EINVAL) or returns a short one before the end of the file (the caller reads through the
-    page cache instead). A file shorter than the range raises ValueError."""
+    into a buffer holding the whole blocks around them: `allocate(n)`'s uint8 tensor, e.g.
+    `read_buffers.ReadBuffers.tensor`, or a new one); None where the filesystem refuses the read
+    (EINVAL) or returns a short one before the end of the file (the caller reads through the page
+    cache instead). A file shorter than the range raises ValueError."""
     start, stop = _align_down(offset), _align_up(offset + nbytes)
-    raw = torch.empty(stop - start + ALIGN, dtype=torch.uint8)
+    raw = (allocate or _new_bytes)(stop - start + ALIGN)
     pad = -raw.data_ptr() % ALIGN
     window = raw[pad:pad + stop - start]
     view = memoryview(window.numpy())

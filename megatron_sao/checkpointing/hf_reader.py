@@ -25,6 +25,7 @@ import torch
 
 from megatron_sao.checkpointing.direct_io import open_direct, pread_whole_blocks
 from megatron_sao.checkpointing.hf_files import HFCheckpoint, TensorInfo
+from megatron_sao.checkpointing.read_buffers import ReadBuffers
 from megatron_sao.models.bridge_compat import import_auto_bridge
 
 import_auto_bridge()  # megatron.bridge imports Transformer Engine: without it, its stub must be in place first
@@ -66,6 +67,10 @@ class PrefetchingSource(StateSource):
         self._direct_fds: dict[str, int | None] = {}
         self._refused_fds: list[int] = []
         self._fd_lock = threading.Lock()
+        # the read-ahead keeps a bucket of tensors read while the conversion holds the one it took:
+        # buffers coming back find the bucket full, so the pool keeps up to a second bucket's worth
+        self.buffers = ReadBuffers(2 * bucket_bytes)
+        """Every tensor is read into one of these: a consumed tensor's buffer serves a later read."""
 
     # ---- StateSource ------------------------------------------------------------------------
 
@@ -161,7 +166,7 @@ class PrefetchingSource(StateSource):
         if fd is None:
             return None
         try:
-            raw = pread_whole_blocks(fd, info.offset, info.nbytes)
+            raw = pread_whole_blocks(fd, info.offset, info.nbytes, self.buffers.tensor)
         except ValueError:
             raise ValueError(f"{self.checkpoint.path / info.file}: truncated while reading {info.name!r} "
                              f"(the file changed since it was checked)") from None
@@ -177,7 +182,7 @@ class PrefetchingSource(StateSource):
             if self.on_bytes is not None:
                 self.on_bytes(info.nbytes)
             return raw.view(info.torch_dtype).reshape(info.shape)
-        raw = torch.empty(info.nbytes, dtype=torch.uint8)
+        raw = self.buffers.tensor(info.nbytes)
         view = memoryview(raw.numpy())
         fd, done = self._fd(info.file), 0
         while done < info.nbytes:

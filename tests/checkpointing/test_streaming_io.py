@@ -194,6 +194,29 @@ def test_tensors_read_past_the_page_cache_or_through_it_are_exact(checkpoint, mo
     assert len(refused) == (1 if refuse else 0)  # refused once, then the page cache for this file
 
 
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_consumed_tensors_buffer_serves_a_later_read_and_every_tensor_stays_exact(checkpoint, monkeypatch, refuse):
+    """Tensors of one size read one after the other, each dropped after use: later reads reuse the
+    buffers (past the page cache or through it); a tensor still held keeps its bytes."""
+    from megatron_sao.checkpointing.hf_reader import PrefetchingSource
+
+    if refuse:
+        refuse_direct_io(monkeypatch)
+    reference = _reference(checkpoint)
+    source = PrefetchingSource(checkpoint, bucket_bytes=64 * KB)  # buffers are whole pages at least
+    try:
+        kept = source.load_tensors(["layer.0.w"])["layer.0.w"]
+        for i in range(1, 8):
+            name = f"layer.{i}.w"
+            tensor = source.load_tensors([name])[name]
+            assert torch.equal(tensor, reference[name]), name
+            del tensor
+        assert source.buffers.reused >= 5
+        assert torch.equal(kept, reference["layer.0.w"])
+    finally:
+        source.close()
+
+
 def test_a_file_cut_short_after_its_check_is_named_with_the_tensor(checkpoint):
     from megatron_sao.checkpointing.hf_reader import PrefetchingSource
 

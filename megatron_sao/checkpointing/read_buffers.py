@@ -1,0 +1,87 @@
+"""Read buffers that come back for the next read once the last tensor viewing them is gone.
+
+hf-to-mcore reads every HF tensor into a buffer of its own, which megatron-bridge converts into a
+parameter and drops. A new buffer is memory the process has never touched: the kernel zeroes each
+of its pages on the first write (the read), and on the CI VM that costs 0.2-0.9 CPU-s per GB
+against 0.04 for writing pages already touched (docs/conversion.md#limits); a `perf` profile of EP2
+hf-to-mcore put 8-11% of a rank's CPU samples there (glibc recycles some buffers, not all). `ReadBuffers.tensor(n)` hands out a page-aligned
+buffer (a private anonymous mapping) as a uint8 tensor, and takes the mapping back when the tensor
+and every view of it are garbage (a `weakref.finalize` on the numpy array the tensor wraps: torch
+holds that array for as long as the storage lives). The next read of the same size gets it, its
+pages already faulted in. A checkpoint repeats a handful of tensor sizes layer after layer, so
+buffers are kept per exact size.
+
+Idle buffers are resident memory: at most `max_bytes` of buffers, handed out or idle, are kept
+(the I/O bucket the read-ahead already stays within); a buffer coming back past that is dropped,
+oldest idle ones first, and a larger one is handed out but never kept.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from collections import deque
+
+import numpy as np
+import torch
+
+_PAGE = mmap.PAGESIZE
+
+
+class ReadBuffers:
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"read buffers need a budget > 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.reused = 0
+        """Buffers handed out again instead of new ones (for tests and benchmarks)."""
+        self._idle: dict[int, list[mmap.mmap]] = {}
+        self._idle_order: deque[tuple[int, mmap.mmap]] = deque()
+        self._idle_bytes = 0
+        self._out_bytes = 0
+        """Bytes of kept-size buffers handed out and not yet back."""
+        self._lock = threading.Lock()
+
+    def tensor(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of `nbytes` at a page-aligned address; its contents are not cleared."""
+        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        with self._lock:
+            buffer = self._take_idle(size)
+            keep = buffer is not None or size <= self.max_bytes
+            if keep:
+                self._out_bytes += size
+        if buffer is None:
+            buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        array = np.frombuffer(buffer, dtype=np.uint8)
+        if keep:
+            weakref.finalize(array, self._give_back, size, buffer).atexit = False
+        return torch.from_numpy(array)[:nbytes]
+
+    def _take_idle(self, size: int) -> mmap.mmap | None:
+        same = self._idle.get(size)
+        if not same:
+            return None
+        buffer = same.pop()
+        self._idle_order.remove((size, buffer))
+        self._idle_bytes -= size
+        self.reused += 1
+        return buffer
+
+    def _give_back(self, size: int, buffer: mmap.mmap) -> None:
+        """The last view of `buffer` is gone (on whichever thread dropped it)."""
+        with self._lock:
+            self._out_bytes -= size
+            while self._idle_order and self._out_bytes + self._idle_bytes + size > self.max_bytes:
+                old_size, old = self._idle_order.popleft()
+                self._idle[old_size].remove(old)
+                self._idle_bytes -= old_size
+            if self._out_bytes + self._idle_bytes + size <= self.max_bytes:
+                self._idle.setdefault(size, []).append(buffer)
+                self._idle_order.append((size, buffer))
+                self._idle_bytes += size
+            # else dropped: unmapped once the array releases it
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle_bytes
