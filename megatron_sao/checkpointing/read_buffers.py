@@ -3,17 +3,18 @@
 hf-to-mcore reads every HF tensor into a buffer of its own, which megatron-bridge converts into a
 parameter and drops. A new buffer is memory the process has never touched: the kernel zeroes each
 of its pages on the first write (the read), and on the CI VM that costs 0.2-0.9 CPU-s per GB
-against 0.04 for writing pages already touched (docs/conversion.md#limits); a `perf` profile of EP2
-hf-to-mcore put 8-11% of a rank's CPU samples there (glibc recycles some buffers, not all). `ReadBuffers.tensor(n)` hands out a page-aligned
-buffer (a private anonymous mapping) as a uint8 tensor, and takes the mapping back when the tensor
-and every view of it are garbage (a `weakref.finalize` on the numpy array the tensor wraps: torch
-holds that array for as long as the storage lives). The next read of the same size gets it, its
-pages already faulted in. A checkpoint repeats a handful of tensor sizes layer after layer, so
-buffers are kept per exact size.
+against 0.04 for writing pages already touched (docs/conversion.md, Benchmark, "fresh memory per
+rank"); a `perf` profile of EP2 hf-to-mcore put 8-11% of a rank's CPU samples there (glibc
+recycles some buffers, not all). `ReadBuffers.tensor(n)` hands out a page-aligned buffer (a private
+anonymous mapping) as a uint8 tensor, and takes the mapping back when the tensor and every view of
+it are garbage (a `weakref.finalize` on the numpy array the tensor wraps: torch holds that array
+for as long as the storage lives). The next read of the same size gets it, its pages already
+faulted in. A checkpoint repeats a handful of tensor sizes layer after layer, so buffers are kept
+per exact size.
 
 Idle buffers are resident memory: at most `max_bytes` of buffers, handed out or idle, are kept
-(the I/O bucket the read-ahead already stays within); a buffer coming back past that is dropped,
-oldest idle ones first, and a larger one is handed out but never kept.
+(`hf_reader`: two I/O buckets, the read-ahead's and the returns'); a buffer coming back past that
+is dropped, oldest idle ones first, and a larger one is handed out but never kept.
 """
 
 from __future__ import annotations
