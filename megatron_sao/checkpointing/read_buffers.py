@@ -20,6 +20,7 @@ is dropped, oldest idle ones first, and a larger one is handed out but never kep
 from __future__ import annotations
 
 import mmap
+import queue
 import threading
 import weakref
 from collections import deque
@@ -41,13 +42,18 @@ class ReadBuffers:
         self._idle_order: deque[tuple[int, mmap.mmap]] = deque()
         self._idle_bytes = 0
         self._out_bytes = 0
-        """Bytes of kept-size buffers handed out and not yet back."""
+        """Bytes of kept-size buffers handed out and not yet taken back."""
+        # a buffer's finalizer runs wherever its last view dies, possibly inside a garbage
+        # collection this class set off while holding its lock: it only queues the buffer
+        # (`SimpleQueue.put` is reentrant), and the pool takes it back on its next call
+        self._returned: queue.SimpleQueue[tuple[int, mmap.mmap]] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     def tensor(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of `nbytes` at a page-aligned address; its contents are not cleared."""
         size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
         with self._lock:
+            self._take_back()
             buffer = self._take_idle(size)
             keep = buffer is not None or size <= self.max_bytes
             if keep:
@@ -56,8 +62,13 @@ class ReadBuffers:
             buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         array = np.frombuffer(buffer, dtype=np.uint8)
         if keep:
-            weakref.finalize(array, self._give_back, size, buffer).atexit = False
+            weakref.finalize(array, self._returned.put, (size, buffer)).atexit = False
         return torch.from_numpy(array)[:nbytes]
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            self._take_back()
+            return self._idle_bytes
 
     def _take_idle(self, size: int) -> mmap.mmap | None:
         same = self._idle.get(size)
@@ -69,20 +80,20 @@ class ReadBuffers:
         self.reused += 1
         return buffer
 
-    def _give_back(self, size: int, buffer: mmap.mmap) -> None:
-        """The last view of `buffer` is gone (on whichever thread dropped it)."""
-        with self._lock:
+    def _take_back(self) -> None:
+        """Keep the buffers whose last view is gone while the budget allows (under the lock)."""
+        while True:
+            try:
+                size, buffer = self._returned.get_nowait()
+            except queue.Empty:
+                return
             self._out_bytes -= size
-            while self._idle_order and self._out_bytes + self._idle_bytes + size > self.max_bytes:
+            if self._out_bytes + size > self.max_bytes:
+                continue  # no room even with nothing idle: dropped, unmapped with its last reference
+            while self._out_bytes + self._idle_bytes + size > self.max_bytes:
                 old_size, old = self._idle_order.popleft()
                 self._idle[old_size].remove(old)
                 self._idle_bytes -= old_size
-            if self._out_bytes + self._idle_bytes + size <= self.max_bytes:
-                self._idle.setdefault(size, []).append(buffer)
-                self._idle_order.append((size, buffer))
-                self._idle_bytes += size
-            # else dropped: unmapped once the array releases it
-
-    def idle_bytes(self) -> int:
-        with self._lock:
-            return self._idle_bytes
+            self._idle.setdefault(size, []).append(buffer)
+            self._idle_order.append((size, buffer))
+            self._idle_bytes += size

@@ -50,3 +50,26 @@ def test_idle_buffers_stay_within_the_budget_and_larger_ones_are_never_kept():
 def test_a_budget_of_nothing_is_refused():
     with pytest.raises(ValueError, match="budget > 0"):
         ReadBuffers(0)
+
+
+def test_a_buffer_freed_while_the_pool_is_busy_comes_back_later_without_blocking():
+    """A tensor in a reference cycle dies in whatever garbage collection runs next, possibly one
+    the pool sets off while holding its lock: taking the buffer back must not wait for that lock."""
+    import threading
+
+    pool = ReadBuffers(64 * PAGE)
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.self, holder.tensor = holder, pool.tensor(PAGE)
+    address = holder.tensor.data_ptr()
+    del holder
+    with pool._lock:  # the pool mid-call
+        collector = threading.Thread(target=gc.collect, daemon=True)
+        collector.start()
+        collector.join(timeout=30)
+        assert not collector.is_alive(), "the buffer's finalizer waited for the pool's lock"
+    assert pool.idle_bytes() == PAGE
+    assert pool.tensor(PAGE).data_ptr() == address and pool.reused == 1
