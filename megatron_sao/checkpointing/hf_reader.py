@@ -8,7 +8,8 @@ ahead in a thread, never more than `bucket_bytes` ahead (a larger tensor is read
 `preadv` straight into the tensor's memory: no mmap, so no file pages counted in the process's
 resident memory, and one read per tensor; with O_DIRECT where the filesystem takes it
 (`direct_io.pread_whole_blocks`: the whole blocks around the tensor, into an aligned buffer the
-tensor views), so no page-cache pages are allocated for bytes read once. A rank reads only the
+tensor views), so no page-cache pages are allocated for bytes read once. Buffers come from
+`read_buffers.ReadBuffers`: a tensor's buffer serves a later read once the conversion dropped it. A rank reads only the
 tensors its own tasks ask for (on N ranks, its shard's). A tensor asked for before the thread got
 to it (or a second time) is read on the spot; a prefetched one never asked for only stalls
 read-ahead, never the conversion.
