@@ -29,7 +29,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -85,9 +84,6 @@ from megatron_sao.platform.collective import (
     sum_over_ranks,
 )
 from megatron_sao.platform.collective import world_size as get_world_size
-
-if TYPE_CHECKING:
-    pass
 
 EXPORT_MARKER = OUTPUT_MARKERS[1]  # sao_export.json: marks an HF export that --overwrite may replace
 

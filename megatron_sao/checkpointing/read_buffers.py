@@ -38,8 +38,8 @@ class ReadBuffers:
         self.max_bytes = max_bytes
         self.reused = 0
         """Buffers handed out again instead of new ones (for tests and benchmarks)."""
-        self._idle: dict[int, list[mmap.mmap]] = {}
-        self._idle_order: deque[tuple[int, mmap.mmap]] = deque()
+        self._idle: deque[tuple[int, mmap.mmap]] = deque()
+        """(size, buffer) of the buffers back and not handed out again, oldest first."""
         self._idle_bytes = 0
         self._out_bytes = 0
         """Bytes of kept-size buffers handed out and not yet taken back."""
@@ -71,14 +71,14 @@ class ReadBuffers:
             return self._idle_bytes
 
     def _take_idle(self, size: int) -> mmap.mmap | None:
-        same = self._idle.get(size)
-        if not same:
-            return None
-        buffer = same.pop()
-        self._idle_order.remove((size, buffer))
-        self._idle_bytes -= size
-        self.reused += 1
-        return buffer
+        for i in range(len(self._idle) - 1, -1, -1):  # the newest of its size
+            if self._idle[i][0] == size:
+                buffer = self._idle[i][1]
+                del self._idle[i]
+                self._idle_bytes -= size
+                self.reused += 1
+                return buffer
+        return None
 
     def _take_back(self) -> None:
         """Keep the buffers whose last view is gone while the budget allows (under the lock)."""
@@ -91,9 +91,6 @@ class ReadBuffers:
             if self._out_bytes + size > self.max_bytes:
                 continue  # no room even with nothing idle: dropped, unmapped with its last reference
             while self._out_bytes + self._idle_bytes + size > self.max_bytes:
-                old_size, old = self._idle_order.popleft()
-                self._idle[old_size].remove(old)
-                self._idle_bytes -= old_size
-            self._idle.setdefault(size, []).append(buffer)
-            self._idle_order.append((size, buffer))
+                self._idle_bytes -= self._idle.popleft()[0]
+            self._idle.append((size, buffer))
             self._idle_bytes += size
