@@ -70,6 +70,9 @@ class RolloutService:
         self._suspended = False
         self._released: list[str] = []
         """Colocated: the memory types `suspend` released and `resume` has not given back yet."""
+        self._suspended_urls: list[str] = []
+        """The engines `suspend` paused and released (only these are resumed: resuming memory an
+        engine never released stops it, as in 0.5.23, e.g. one restarted meanwhile)."""
         self._paused: set[str] = set()
         """URLs of the engines this service paused (suspend, a weight update): SGLang 0.5.23 answers
         no health check while paused (the probe waits behind the pause), so the watchdog skips them."""
@@ -136,36 +139,41 @@ class RolloutService:
         self.raise_if_failed()
         clients = self.pool.clients
 
-        async def suspend() -> None:
+        async def suspend() -> list[Any]:
             paused = await self._each(clients, lambda c: c.pause_generation("retract"))
             self._paused.update(c.base_url for c in paused)
-            await self._each(paused, lambda c: c.release_memory_occupation())
+            return await self._each(paused, lambda c: c.release_memory_occupation())
 
-        self.run(suspend())
+        released = self.run(suspend())
         self._suspended = True
         self._released = list(RELEASED_TYPES)
+        self._suspended_urls = [c.base_url for c in released]
+
+    def _suspended_clients(self) -> list[Any]:
+        return [c for c in self.pool.clients if c.base_url in self._suspended_urls]
 
     def resume_weights(self) -> None:
         """Colocated, before a weight push: give the engines their weight memory back (a push into
         released weights would write into freed memory; slime and verl resume `weights` first)."""
         if not self._suspended or "weights" not in self._released:
             return
-        self.run(self._each(self.pool.clients, lambda c: c.resume_memory_occupation(["weights"])))
+        resumed = self.run(self._each(self._suspended_clients(), lambda c: c.resume_memory_occupation(["weights"])))
+        self._suspended_urls = [c.base_url for c in resumed]
         self._released.remove("weights")
 
     def resume(self) -> None:
         """Colocated, after the trainer's step (and push): the rest of the memory back, then
         generation continues (retracted requests are prefilled again)."""
-        clients = self.pool.clients
+        clients = self._suspended_clients()
         tags = list(self._released)
 
         async def resume() -> None:
             resumed = await self._each(clients, lambda c: c.resume_memory_occupation(tags)) if tags else clients
             await self._each(resumed, lambda c: c.continue_generation())
-            self._paused.difference_update(c.base_url for c in resumed)
 
         self.run(resume())
-        self._suspended, self._released = False, []
+        self._paused.clear()  # nothing else is paused while suspended (pause_for_update adds none then)
+        self._suspended, self._released, self._suspended_urls = False, [], []
 
     @contextlib.contextmanager
     def paused(self, clients: list[Any]) -> Iterator[list[Any]]:

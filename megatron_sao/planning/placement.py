@@ -97,7 +97,11 @@ def check_engine_layout(config: SaoConfig) -> None:
     rollout, launcher = config.rollout, config.launcher
     if rollout.engine != "sglang":
         return
-    sglang, layout = rollout.sglang, gpu_layout(config)
+    try:
+        layout = gpu_layout(config)
+    except ConfigError:  # a GPU split that does not add up: `sao plan` / the launcher name it where it matters
+        return
+    sglang = rollout.sglang
     placement = engine_placement(config)
     mode = weight_sync_mode(config)
     where = (f"launcher.engine_placement={launcher.engine_placement} resolves to {placement} (parallelism.world_size "
