@@ -114,9 +114,13 @@ def _client_requests() -> list[dict[str, Any]]:
     async def go() -> None:
         for name, call in CLIENT_CALLS.items():
             before = len(log)
-            await call(client)
+            try:
+                await call(client)
+                error = None
+            except Exception as e:  # judged below, with the request that caused it
+                error = repr(e)
             for entry in log[before:]:
-                entry["call"] = name
+                entry["call"], entry["error"] = name, error
 
     asyncio.run(go())
     return log
@@ -179,6 +183,7 @@ def test_every_client_call_is_a_route_of_sglang_with_a_body_it_accepts(checked):
     for entry, verdict in checked["client"] + checked["push"]:
         what = f"{entry['method']} {entry['path']} ({entry.get('call', 'weight push')})"
         assert verdict["route"], f"{what}: no such route in sglang 0.5.23"
+        assert entry.get("error") is None, f"{what}: the client could not read 0.5.23's answer: {entry['error']}"
         assert not verdict["errors"], f"{what}: sglang's {verdict.get('body_class')} refuses {entry['body']}: " \
                                       f"{verdict['errors']}"
         assert not verdict["unknown_keys"], f"{what}: {verdict['unknown_keys']} not in {verdict.get('body_class')}"
