@@ -2,8 +2,8 @@
 LR scheduler and RNG state (docs/checkpoints.md).
 
 Each role directory is one Megatron `dist_checkpointing` torch_dist checkpoint. Model keys come
-from `mcore_io.model_state` (layout- and layer-spec-free), so `mcore_io.load_model` reads a
-training checkpoint and a `sao convert hf-to-mcore` output loads as weights. The distributed
+from `checkpointing.keys.model_state` (layout- and layer-spec-free), the keys conversion saves
+under too, so a `sao convert hf-to-mcore` output loads as weights (`checkpoint_weights`). The distributed
 optimizer is stored `fully_reshardable`: its shards are gathered over DP into per-parameter
 tensors keyed by the model key, so the state reshards across TP, PP, EP and DP like the weights
 (`dp_reshardable` would only allow a DP change). The plain optimizer is keyed the same way.
@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_sao.checkpointing.mcore_io import model_state
-from megatron_sao.checkpointing.model_setup import unwrap
+from megatron_sao.checkpointing.keys import model_state, unwrap
 from megatron_sao.platform.collective import (
     barrier,
     broadcast_object,

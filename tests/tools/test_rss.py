@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sao.checkpointing.rss import measured
+from tools.rss import measured
 
 MiB = 2**20
 
