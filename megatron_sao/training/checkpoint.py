@@ -37,6 +37,7 @@ from megatron_sao.training.checkpoint_files import find_latest_checkpoint
 from megatron_sao.training.checkpoint_rng import RNG_KEY, current_layout, rng_object, rng_state, set_rng_state
 from megatron_sao.training.checkpoint_weights import load_model_weights
 from megatron_sao.training.optim import RoleOptimizer
+from megatron_sao.utils.atomic import atomic_write_text
 
 __all__ = ["finalize_async_saves", "find_latest_checkpoint", "load_checkpoint", "load_model_weights",
            "save_checkpoint"]
@@ -139,7 +140,7 @@ def save_checkpoint(checkpoints_dir: Path, step: int, roles: dict[str, RoleOptim
         shutil.rmtree(partial, ignore_errors=True)  # a killed earlier attempt at this step
         for name in roles:
             (partial / name).mkdir(parents=True)
-        files.write_durable(partial / files.TRAINER_STATE_FILE, state_text)
+        atomic_write_text(partial / files.TRAINER_STATE_FILE, state_text)
 
     _on_rank0(f"preparing {partial}", prepare)
     rng = rng_state()

@@ -2,10 +2,10 @@
 
 A file is written to a hidden temporary sibling (`.<name>.<token>.tmp`, same directory, so the
 rename stays on one filesystem), then renamed over its final name: a reader sees the old content
-or the new, never half of it, and a killed writer leaves only the temporary (`leftover_temporaries`
-finds them). With `durable` (the default) the file is fsynced before the rename and its directory
-after, so the new content survives a crash of the machine too, not only of the process; callers
-whose output is worthless after a crash (a report page, a result passed between processes) skip it.
+or the new, never half of it, and a killed writer leaves only the temporary (a hidden `*.tmp`).
+With `durable` (the default) the file is fsynced before the rename and its directory after, so the
+new content survives a crash of the machine too, not only of the process; callers whose output is
+worthless after a crash (a report page, a result passed between processes) skip it.
 
 A directory is built under a staging name by the caller and made to appear by `replace_dir`: an
 existing directory of the final name is moved aside first and deleted only after the rename.
@@ -43,14 +43,10 @@ def fsync_tree(root: str | Path) -> None:
 
 
 def temporary_sibling(path: str | Path) -> Path:
-    """A new hidden name next to `path` that `leftover_temporaries` recognises."""
+    """A new hidden name next to `path`, ending in `TMP_SUFFIX` (a killed writer's leftovers match
+    `.*.tmp`)."""
     path = Path(path)
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
-
-
-def leftover_temporaries(directory: str | Path) -> list[Path]:
-    """Temporaries of writes into `directory` that never completed (a killed writer's), sorted."""
-    return sorted(p for p in Path(directory).glob(f".*{TMP_SUFFIX}") if p.is_file())
 
 
 @contextmanager
