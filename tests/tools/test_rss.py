@@ -1,4 +1,4 @@
-"""rss.measured: the figures the benchmark and the memory-budget test read."""
+"""tools/rss.py `measured`: the figures the benchmark and the memory-budget test read."""
 
 from __future__ import annotations
 
