@@ -153,6 +153,26 @@ def test_cli_registers_three_commands_with_help(capsys):
     assert callable(args.func) and (args.tp, args.pp, args.ep, args.etp) == (2, 1, 2, None)
 
 
+@pytest.mark.parametrize("flag", [[], ["--fastio"]], ids=["default", "fastio"])
+def test_the_fastio_switch_is_off_by_default_and_reaches_both_conversions(tmp_path, monkeypatch, flag):
+    from megatron_sao.platform import run_collective as collective
+
+    requests = []
+
+    def capture(fn, nproc, request):
+        requests.append(request)
+        return 0, {"value_head": None, "passthrough": [], "summary": "ok"}
+
+    monkeypatch.setattr(collective, "run_collective", capture)
+    parser = argparse.ArgumentParser(prog="sao")
+    add_convert_parser(parser.add_subparsers(dest="command"))
+    for argv in (["hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "m")],
+                 ["mcore-to-hf", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "h")]):
+        args = parser.parse_args(["convert", *argv, *flag])
+        assert args.func(args) == 0
+    assert [r.fastio for r in requests] == [bool(flag)] * 2
+
+
 def test_sizes_parse_like_huggingface():
     assert _size("5GB") == 5 * 10**9 and _size("500MB") == 5 * 10**8 and _size("1024") == 1024
     with pytest.raises(argparse.ArgumentTypeError):
