@@ -88,9 +88,12 @@ def test_weight_update_mid_trajectory_versions_later_tokens(engine, tokenizer, r
     class UpdatingEnv(ScriptedEnv):
         async def step(self, action_text: str) -> StepResult:
             if not self.actions:  # the trainer publishes version 1 while turn 0 is being judged
-                await EngineClient(engine.url).update_weights_from_tensor(
+                client = EngineClient(engine.url)
+                await client.begin_weight_update()  # sglang 0.5.23 refuses updates outside a session
+                await client.update_weights_from_tensor(
                     [encode_safetensors_payload(new_weights)], load_format=SAFETENSORS_LOAD_FORMAT, weight_version="1"
                 )
+                await client.end_weight_update()
             return await super().step(action_text)
 
     loop = make_loop(engine.url, tokenizer, lambda s: UpdatingEnv(done_after=2), max_concurrent_trajectories=1)
