@@ -1,0 +1,22 @@
+"""What each rank runs in the device-discipline test: a real SAO train step with the compute device
+emulated apart from host memory (tests/emulated_device.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.training.trainer_worker import build_trainer
+from tests.training.trajectories import random_trajectories
+
+
+def step_on_emulated_device(hf_dir: str, overrides: list[str]) -> dict[str, Any]:
+    """Build the actor and critic on the emulated compute device and take one step (K critic
+    updates, one actor update); report what ran where."""
+    from tests.emulated_device import emulated_compute_device, is_host
+
+    with emulated_compute_device() as world:
+        trainer = build_trainer(hf_dir, overrides)
+        params = [p for role in trainer.roles.values() for chunk in role.chunks for p in chunk.parameters()]
+        on_host = [type(p).__name__ for p in params if is_host(p)]
+        metrics = trainer.train_step(random_trajectories(8, seed=3, long_every=8))
+    return {"metrics": metrics, "collectives": world.collectives, "params": len(params), "params_on_host": on_host}
