@@ -1,38 +1,40 @@
-"""A compute device separate from host memory on a CPU-only machine: the device-discipline check.
+"""A compute device apart from host memory on a CPU-only machine: the device-discipline check.
 
 On a GPU every tensor that feeds the model or an NCCL collective must be on the rank's CUDA
 device; on CPU the host and the compute device are the same memory, so a tensor left on the host
 goes unnoticed. `emulated_compute_device()` makes them two devices again while every op still
-runs for real on the CPU (real values, data-dependent shapes, `.item()`, real gloo collectives):
+runs for real on the CPU (real values, data-dependent shapes, `.item()`, MoE token counts, real
+gloo collectives), which FakeTensorMode cannot do for a whole train step:
 
 - the compute device is `EMULATED = torch.device("cpu", 0)`: `platform.device.compute_device()`
-  returns it, hence also `torch.cuda.current_device()` and the `device="cuda"` factories that the
-  CPU shims redirect (platform/cpu_shims.py);
-- a tensor is HOST memory when it comes from a factory whose device is "cpu" (torch's default:
-  every factory call without `device=`), from Python data (`torch.tensor`, `as_tensor`,
-  `from_numpy`, which reach the dispatcher as `aten.lift_fresh`) without `device=`, from `.cpu()`
-  or `.to("cpu")`, or from an op whose tensor inputs are all host tensors. Every other tensor is
-  on the compute device. The mark is an attribute of the tensor object, kept up to date by a
-  TorchDispatchMode (every aten op, forward and backward) and a TorchFunctionMode (what never
-  reaches the dispatcher: `Tensor.device`, `.cpu()`, `.data = ...`, the device of
-  `torch.tensor(data, device=...)`);
+  returns it, and so do `torch.cuda.current_device()` and factories asking for `device="cuda"`,
+  as on a GPU rank; models megatron-bridge builds are moved there before they are wrapped, as
+  bridge's `get_model` does on GPU (CPU initialisation skips that step);
+- a tensor is HOST memory when it comes from a factory called from Python without tensor
+  arguments and without the compute device (torch's default device is the host: every
+  `torch.zeros(n)`), from Python data (`torch.tensor`, `from_numpy`: `aten.lift_fresh`) or a
+  wrapped Python scalar, from `.cpu()` / `.to("cpu")`, or from an op whose tensor inputs are all
+  host tensors. Every other tensor is on the compute device, including what C++ code allocates
+  alongside a compute tensor (autograd formulas pass its physical device, the CPU, which is why
+  host allocations are told apart at the Python level). The mark is an attribute of the tensor
+  object, kept by a TorchDispatchMode (every aten op, forward and backward) and a
+  TorchFunctionMode (`Tensor.device`, `.cpu()`, `.to()`, `.data = x`, factories);
 - `Tensor.device` reports `EMULATED` for compute tensors, so `device=x.device` follows `x`;
 - every aten op checks its tensor arguments as CUDA's kernels do (`check_device_rule`): the
-  codegen'd device check (torchgen `RegisterDispatchKey.gen_device_check`, every tensor argument
+  codegen'd device check (torchgen `RegisterDispatchKey.gen_device_check`: every tensor argument
   on one device) unless the op is `device_check: NoCheck` in the pinned torch's
-  native_functions.yaml, where TensorIterator allows host 0-dim inputs; copies cross devices, and
-  indexing takes host indices. A violation raises `EmulatedDeviceMismatch`, worded like CUDA's
-  "Expected all tensors to be on the same device";
-- every collective on an accelerator group (a group made with the default backend: NCCL on GPU;
-  a group asked for "gloo" explicitly is a CPU group on GPU too) refuses host tensors, as an
-  NCCL-only group does (torch c10d: "No backend type associated with device type cpu"); object
-  collectives stage through the compute device, as torch does for NCCL
-  (`distributed_c10d._get_object_coll_device`).
+  native_functions.yaml, where TensorIterator takes host 0-dim inputs as scalars; copies cross
+  devices, and CUDA's index kernels take host indices. A violation raises
+  `EmulatedDeviceMismatch`, worded like CUDA's "Expected all tensors to be on the same device";
+- every collective on an accelerator group (made with the default backend: NCCL on GPU; a group
+  asked for "gloo" explicitly is a CPU group on GPU too) refuses host tensors, as an NCCL-only
+  group does (torch c10d: "No backend type associated with device type cpu"); object collectives
+  stage through the compute device, as torch does for NCCL (`_get_object_coll_device`).
 
-What it does not emulate: CUDA-only code paths (Transformer Engine, `if torch.cuda.is_available()`
-branches) still take their CPU side, and a tensor created in C++ outside the dispatcher (none in
-this project or Megatron-Core's CPU path: legacy `torch.FloatTensor(...)` constructors) counts as
-on the compute device.
+Not emulated: CUDA-only code paths (Transformer Engine, `torch.cuda.is_available()` branches)
+still take their CPU side; streams and pinned memory; a tensor built in C++ outside the
+dispatcher (legacy `torch.FloatTensor(...)` constructors: none in this project or on
+Megatron-Core's CPU path) counts as on the compute device.
 """
 
 from __future__ import annotations
@@ -279,9 +281,11 @@ class _World:
 
 
 @contextlib.contextmanager
-def emulated_compute_device() -> Iterator[_World]:
+def emulated_compute_device(models: bool = True) -> Iterator[_World]:
     """Make `EMULATED` this rank's compute device and check every op and collective until exit
-    (see the module docstring). Enter it after `init_distributed`, before building models."""
+    (see the module docstring). Enter it after `init_distributed`, before building models.
+    `models`: move the models megatron-bridge builds to the compute device before it wraps them,
+    as it does on GPU (this imports megatron-bridge)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -310,12 +314,15 @@ def emulated_compute_device() -> Iterator[_World]:
             _mark(param, is_host(data))
         return param
 
-    from megatron_sao.models.bridge_compat import import_auto_bridge
+    original_current_device = torch.cuda.current_device
+    model_provider, original_get_model = None, None
+    if models:
+        from megatron_sao.models.bridge_compat import import_auto_bridge
 
-    import_auto_bridge()  # megatron-bridge imports only through the project's TE-less shim here
-    import megatron.bridge.models.model_provider as model_provider
+        import_auto_bridge()  # megatron-bridge imports only through the project's TE-less shim here
+        import megatron.bridge.models.model_provider as model_provider
 
-    original_get_model, original_current_device = model_provider.get_model, torch.cuda.current_device
+        original_get_model = model_provider.get_model
 
     def get_model(*args: Any, pre_wrap_hook: Any = None, **kwargs: Any) -> Any:
         # bridge's get_model moves the chunks to `torch.cuda.current_device()` before wrapping them
@@ -330,7 +337,8 @@ def emulated_compute_device() -> Iterator[_World]:
         return original_get_model(*args, pre_wrap_hook=[*hooks, to_compute_device], **kwargs)
 
     platform_device._COMPUTE_DEVICE = EMULATED
-    model_provider.get_model = get_model
+    if model_provider is not None:
+        model_provider.get_model = get_model
     torch.cuda.current_device = lambda: EMULATED  # type: ignore[assignment]
     dist.new_group = new_group
     c10d._get_object_coll_device = object_coll_device
@@ -340,6 +348,8 @@ def emulated_compute_device() -> Iterator[_World]:
             yield world
     finally:
         dist.new_group, c10d._get_object_coll_device = original_new_group, original_coll_device
-        model_provider.get_model, torch.cuda.current_device = original_get_model, original_current_device
+        torch.cuda.current_device = original_current_device
+        if model_provider is not None:
+            model_provider.get_model = original_get_model
         torch.nn.Parameter.__new__ = original_parameter_new  # type: ignore[method-assign]
         platform_device._COMPUTE_DEVICE = original_device
