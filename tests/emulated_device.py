@@ -13,12 +13,14 @@ gloo collectives), which FakeTensorMode cannot do for a whole train step:
 - a tensor is HOST memory when it comes from a factory called from Python without tensor
   arguments and without the compute device (torch's default device is the host: every
   `torch.zeros(n)`), from Python data (`torch.tensor`, `from_numpy`: `aten.lift_fresh`) or a
-  wrapped Python scalar, from `.cpu()` / `.to("cpu")`, or from an op whose tensor inputs are all
-  host tensors. Every other tensor is on the compute device, including what C++ code allocates
-  alongside a compute tensor (autograd formulas pass its physical device, the CPU, which is why
-  host allocations are told apart at the Python level). The mark is an attribute of the tensor
-  object, kept by a TorchDispatchMode (every aten op, forward and backward) and a
-  TorchFunctionMode (`Tensor.device`, `.cpu()`, `.to()`, `.data = x`, factories);
+  wrapped Python scalar, from `.cpu()` / `.to("cpu")`, or from an op whose known inputs are all
+  host tensors. It is on the COMPUTE device when made there (`device=` the compute device,
+  `.to(...)`) or computed from a compute tensor. A tensor made outside both (by C++ code, whose
+  allocations pass the physical device, the CPU, whatever the tensor is for; by safetensors) is
+  NOT KNOWN and takes no side in a check until an op computes a known tensor from it. The mark
+  is an attribute of the tensor object, kept by a TorchDispatchMode (every aten op, forward and
+  backward) and a TorchFunctionMode (`Tensor.device`, `.cpu()`, `.to()`, `.data = x`, Python
+  factories);
 - `Tensor.device` reports `EMULATED` for compute tensors, so `device=x.device` follows `x`;
 - every aten op checks its tensor arguments as CUDA's kernels do (`check_device_rule`): the
   codegen'd device check (torchgen `RegisterDispatchKey.gen_device_check`: every tensor argument
@@ -32,9 +34,9 @@ gloo collectives), which FakeTensorMode cannot do for a whole train step:
   stage through the compute device, as torch does for NCCL (`_get_object_coll_device`).
 
 Not emulated: CUDA-only code paths (Transformer Engine, `torch.cuda.is_available()` branches)
-still take their CPU side; streams and pinned memory; a tensor built in C++ outside the
-dispatcher (legacy `torch.FloatTensor(...)` constructors: none in this project or on
-Megatron-Core's CPU path) counts as on the compute device.
+still take their CPU side; streams and pinned memory; a tensor of unknown place (above) fed to
+the model or a collective as it is: the project's batches, sums and flags are all made from
+Python, and the checkpoint readers' tensors are copied into parameters.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 EMULATED = torch.device("cpu", 0)
 HOST = torch.device("cpu")
-_MARK = "_emulated_host"
+_MARK = "_emulated_on_host"  # True: host memory, False: the compute device, absent: not known
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _COPIES = {"aten::_to_copy", "aten::copy_", "aten::copy", "aten::_copy_from", "aten::_copy_from_and_resize",
            "aten::set_"}
@@ -66,19 +68,21 @@ class EmulatedDeviceMismatch(RuntimeError):
     """A host tensor met a compute-device tensor where CUDA would refuse it."""
 
 
+def where(tensor: torch.Tensor) -> bool | None:
+    """True: host memory; False: the compute device; None: made outside the dispatcher and never
+    placed since (e.g. by safetensors, or by C++ code): such a tensor takes no side in a check."""
+    return getattr(tensor, _MARK, None)
+
+
 def is_host(tensor: torch.Tensor) -> bool:
-    return bool(getattr(tensor, _MARK, False))
+    return where(tensor) is True
 
 
-def _mark(tensor: torch.Tensor, host: bool) -> None:
-    if host:
-        setattr(tensor, _MARK, True)
+def _mark(tensor: torch.Tensor, host: bool | None) -> None:
+    if host is not None:
+        setattr(tensor, _MARK, host)
     elif _MARK in tensor.__dict__:
         delattr(tensor, _MARK)
-
-
-def device_name(tensor: torch.Tensor) -> str:
-    return "cpu (host)" if is_host(tensor) else "cuda:0 (emulated compute device)"
 
 
 @functools.cache
@@ -156,14 +160,14 @@ def check_device_rule(func: Any, args: tuple, kwargs: dict) -> bool | None:
         return False  # a factory, `*_like`, `new_*` or `_to_copy` onto the compute device
     if packet in _COPIES:
         if packet == "aten::set_" and len(inputs) > 1:
-            return is_host(inputs[1][1])
-        return is_host(inputs[0][1]) if inputs else None  # copy_ keeps self; _to_copy (dtype) follows self
+            return where(inputs[1][1])
+        return where(inputs[0][1]) if inputs else None  # copy_ keeps self; _to_copy (dtype) follows self
     if not inputs:
-        return None  # made by C++ code: on the device of what it computes with (here: compute)
-    host = [(n, t, w) for n, t, w in inputs if is_host(t)]
-    compute = [(n, t, w) for n, t, w in inputs if not is_host(t)]
+        return None  # a factory: host when called from Python (`_DeviceFunctionMode`), else not known
+    host = [(n, t, w) for n, t, w in inputs if where(t) is True]
+    compute = [(n, t, w) for n, t, w in inputs if where(t) is False]
     if not host or not compute:
-        return bool(host)
+        return True if host else False if compute else None
     if name in no_check_ops() and all(t.dim() == 0 and not w for _, t, w in host):
         return False  # TensorIterator: a host 0-dim input joins a device kernel as a scalar
     bad = host[0]
@@ -210,10 +214,10 @@ class _DeviceFunctionMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "__get__" and getattr(func, "__self__", None) is torch.Tensor.device:
             real = func(*args)
-            return real if real.type != "cpu" else (HOST if is_host(args[0]) else EMULATED)
+            return real if real.type != "cpu" or where(args[0]) is None else (HOST if is_host(args[0]) else EMULATED)
         if name == "__set__" and getattr(func, "__self__", None) is torch.Tensor.data:
             func(*args)
-            _mark(args[0], is_host(args[1]))
+            _mark(args[0], where(args[1]))
             return None
         if func is torch.Tensor.cpu:
             return _host_copy(args[0])
@@ -222,6 +226,8 @@ class _DeviceFunctionMode(TorchFunctionMode):
         if func is torch.Tensor.to:
             return _to(func, args, kwargs)
         out = func(*args, **kwargs)
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return out  # an aten op called directly (the dispatch mode's own calls): the dispatch mode decides
         if (isinstance(out, torch.Tensor) and out.device.type == "cpu"
                 and not any(True for v in (*args, *kwargs.values()) for _ in _tensors(v))):
             _mark(out, _device_kind(kwargs.get("device")) is not False)  # a factory: host unless asked otherwise
@@ -232,12 +238,12 @@ def _to(func: Any, args: tuple, kwargs: dict) -> Any:
     other = args[1] if len(args) > 1 else kwargs.get("other")
     out = func(*args, **kwargs)
     if isinstance(other, torch.Tensor):
-        wants_host = is_host(other)
+        wants_host = where(other)
     else:
         wants_host = _device_kind(torch._C._nn._parse_to(*args[1:], **kwargs)[0])
     if wants_host and not is_host(out):
         return _host_copy(out)
-    if wants_host is False and is_host(out):
+    if wants_host is False and where(out) is not False:
         return out.to(EMULATED)
     return out
 
@@ -311,7 +317,7 @@ def emulated_compute_device(models: bool = True) -> Iterator[_World]:
         # `Tensor._make_subclass` makes the parameter's object outside the dispatcher.
         param = original_parameter_new(cls, data, requires_grad)
         if isinstance(data, torch.Tensor):
-            _mark(param, is_host(data))
+            _mark(param, where(data))
         return param
 
     original_current_device = torch.cuda.current_device

@@ -108,6 +108,7 @@ def _collectives() -> dict[str, str]:
         gloo = dist.new_group([0], backend="gloo")
         attempt("host all_reduce on a gloo group", lambda: dist.all_reduce(torch.ones(2), group=gloo))
         attempt("object collective", lambda: collective.broadcast_object({"a": 1}))
+        attempt("barrier", dist.barrier)
         attempt("any_rank_flags of host flags", lambda: collective.any_rank_flags(torch.ones(2, dtype=torch.int32)))
         attempt("sum_over_ranks of host counts", lambda: collective.sum_over_ranks(torch.ones(2, dtype=torch.int32)))
         attempt("any_rank", lambda: collective.any_rank(True))

@@ -12,11 +12,13 @@ from tests.training.trajectories import random_trajectories
 def step_on_emulated_device(hf_dir: str, overrides: list[str]) -> dict[str, Any]:
     """Build the actor and critic on the emulated compute device and take one step (K critic
     updates, one actor update); report what ran where."""
-    from tests.emulated_device import emulated_compute_device, is_host
+    from tests.emulated_device import emulated_compute_device, where
 
     with emulated_compute_device() as world:
         trainer = build_trainer(hf_dir, overrides)
         params = [p for role in trainer.roles.values() for chunk in role.chunks for p in chunk.parameters()]
-        on_host = [type(p).__name__ for p in params if is_host(p)]
+        elsewhere = [name for role in trainer.roles.values() for chunk in role.chunks
+                     for name, p in chunk.named_parameters() if where(p) is not False]
         metrics = trainer.train_step(random_trajectories(8, seed=3, long_every=8))
-    return {"metrics": metrics, "collectives": world.collectives, "params": len(params), "params_on_host": on_host}
+    return {"metrics": metrics, "collectives": world.collectives, "params": len(params),
+            "params_not_on_device": elsewhere}

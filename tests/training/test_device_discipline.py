@@ -17,7 +17,7 @@ OVERRIDES = ["parallelism.expert=2", "critic.updates_per_actor_step=2", "actor.m
 def test_sao_step_keeps_every_tensor_on_the_compute_device(tiny_hf_dir):
     ranks = run_distributed(device_worker.step_on_emulated_device, 2, str(tiny_hf_dir), OVERRIDES)
     for r in ranks:
-        assert r["params"] > 0 and r["params_on_host"] == []
+        assert r["params"] > 0 and r["params_not_on_device"] == []
         assert r["collectives"] > 0
         m = r["metrics"]
         assert m["critic/optimizer_steps"] == 2 and math.isfinite(m["actor/loss"]) and m["actor/grad_norm"] > 0
