@@ -33,6 +33,7 @@ def _convert_on_emulated_device(hf_dir: Path, work: Path, layout: Layout, verify
     return out
 
 
+@pytest.mark.slow  # three conversions on 2 ranks: ~35 CPU-s
 @pytest.mark.timeout(900)
 def test_conversion_keeps_collective_and_model_inputs_on_the_compute_device(tiny_hf_dir, tmp_path):
     r = run_distributed(_convert_on_emulated_device, 2, tiny_hf_dir, tmp_path, Layout(ep=2), Layout(pp=2),
