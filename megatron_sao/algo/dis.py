@@ -35,7 +35,7 @@ def dis_policy_loss(
     eps_low: float,
     eps_high: float,
     num_tokens: float | int | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DIS policy loss `-sum(kept * rho.detach() * A * logp) / num_tokens` and its statistics.
 
     Args:
@@ -55,7 +55,8 @@ def dis_policy_loss(
     Returns:
         `(loss, stats)`: a 0-dim loss in `logprobs`' dtype (float32 at least) whose gradient with
         respect to `logprobs` is exactly `-kept * rho * advantages / num_tokens`; `stats` holds
-        floats over this call's action tokens: `masked_low_frac` (rho <= 1 - eps_low),
+        0-dim float64 tensors on the inputs' device (nothing waits for the device; `float(v)`
+        reads one) over this call's action tokens: `masked_low_frac` (rho <= 1 - eps_low),
         `masked_high_frac` (rho >= 1 + eps_high), `masked_frac`, `ratio_mean`, `ratio_min`,
         `ratio_max` (NaN without action tokens), `kl_k3` (mean of rho - 1 - log rho, an estimate
         of KL(rollout || policy)), and the counts `num_action_tokens`, `num_masked_low`,
@@ -87,36 +88,24 @@ def dis_policy_loss(
 
 @torch.no_grad()
 def _ratio_stats(rho: torch.Tensor, log_ratio: torch.Tensor, loss_mask: torch.Tensor, below: torch.Tensor,
-                 above: torch.Tensor) -> dict[str, float]:
-    """Band statistics over action tokens, fetched from the device in one transfer."""
+                 above: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Band statistics over action tokens, as 0-dim float64 tensors on the inputs' device."""
     if loss_mask.numel() == 0:  # min / max of an empty tensor would raise
         rho, log_ratio, loss_mask = rho.new_ones(1, 1), log_ratio.new_zeros(1, 1), loss_mask.new_zeros(1, 1)
-    count = loss_mask.sum().to(torch.float64)
+    num = loss_mask.sum().to(torch.float64)
     rho64 = rho.to(torch.float64)
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=rho.device)
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=rho.device)
-    has_tokens = count > 0
-    denom = count.clamp_min(1.0)
+    has_tokens = num > 0
+    denom = num.clamp_min(1.0)
     k3 = torch.where(loss_mask, rho64 - 1.0 - log_ratio.to(torch.float64), 0.0)
-    values = torch.stack([
-        count,
-        below.sum().to(torch.float64),
-        above.sum().to(torch.float64),
-        torch.where(has_tokens, torch.where(loss_mask, rho64, 0.0).sum() / denom, nan),
-        torch.where(has_tokens, torch.where(loss_mask, rho64, inf).min(), nan),
-        torch.where(has_tokens, torch.where(loss_mask, rho64, -inf).max(), nan),
-        torch.where(has_tokens, k3.sum() / denom, nan),
-    ]).tolist()
-    num, low, high, ratio_mean, ratio_min, ratio_max, kl_k3 = values
-    frac = 1.0 / max(num, 1.0)
+    low, high = below.sum().to(torch.float64), above.sum().to(torch.float64)
     return {
-        "masked_low_frac": low * frac,
-        "masked_high_frac": high * frac,
-        "masked_frac": (low + high) * frac,
-        "ratio_mean": ratio_mean,
-        "ratio_min": ratio_min,
-        "ratio_max": ratio_max,
-        "kl_k3": kl_k3,
+        "masked_low_frac": low / denom,
+        "masked_high_frac": high / denom,
+        "masked_frac": (low + high) / denom,
+        "ratio_mean": torch.where(has_tokens, torch.where(loss_mask, rho64, 0.0).sum() / denom, torch.nan),
+        "ratio_min": torch.where(has_tokens, torch.where(loss_mask, rho64, torch.inf).min(), torch.nan),
+        "ratio_max": torch.where(has_tokens, torch.where(loss_mask, rho64, -torch.inf).max(), torch.nan),
+        "kl_k3": torch.where(has_tokens, k3.sum() / denom, torch.nan),
         "num_action_tokens": num,
         "num_masked_low": low,
         "num_masked_high": high,

@@ -27,7 +27,7 @@ def ppo_clip_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     num_tokens: float | int | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate over action tokens, normalised like `dis_policy_loss`.
 
     Args:
@@ -40,9 +40,10 @@ def ppo_clip_policy_loss(
         num_tokens: denominator; default this call's action-token count (see `dis_policy_loss`).
 
     Returns:
-        `(loss, stats)` with floats over this call's action tokens: `clip_frac` (the clipped term
-        is the smaller, so the token has no gradient), `clip_low_frac` / `clip_high_frac` (its
-        split by side), `ratio_mean`, `kl_k3` (mean of r - 1 - log r), `num_action_tokens`.
+        `(loss, stats)`, `stats` as in `dis_policy_loss` (0-dim float64 tensors on the inputs'
+        device) over this call's action tokens: `clip_frac` (the clipped term is the smaller, so
+        the token has no gradient), `clip_low_frac` / `clip_high_frac` (its split by side),
+        `ratio_mean`, `kl_k3` (mean of r - 1 - log r), `num_action_tokens`.
     """
     check_mask(loss_mask)
     check_like_mask(logprobs, "logprobs", loss_mask)
@@ -68,24 +69,16 @@ def ppo_clip_policy_loss(
         clipped = loss_mask & (surr_clipped < surr)
         low = clipped & (ratio < 1.0 - clip_low)
         high = clipped & (ratio > 1.0 + clip_high)
-        count = loss_mask.sum().to(torch.float64)
-        denom = count.clamp_min(1.0)
+        num = loss_mask.sum().to(torch.float64)
+        denom = num.clamp_min(1.0)
         ratio64, log_ratio64 = ratio.detach().to(torch.float64), log_ratio.detach().to(torch.float64)
-        num, clip_frac, low_frac, high_frac, ratio_mean, kl_k3 = torch.stack([
-            count,
-            clipped.sum() / denom,
-            low.sum() / denom,
-            high.sum() / denom,
-            torch.where(loss_mask, ratio64, 0.0).sum() / denom,
-            torch.where(loss_mask, ratio64 - 1.0 - log_ratio64, 0.0).sum() / denom,
-        ]).tolist()
-    nan = float("nan")
-    stats = {
-        "clip_frac": clip_frac,
-        "clip_low_frac": low_frac,
-        "clip_high_frac": high_frac,
-        "ratio_mean": ratio_mean if num else nan,
-        "kl_k3": kl_k3 if num else nan,
-        "num_action_tokens": num,
-    }
+        stats = {
+            "clip_frac": clipped.sum() / denom,
+            "clip_low_frac": low.sum() / denom,
+            "clip_high_frac": high.sum() / denom,
+            "ratio_mean": torch.where(num > 0, torch.where(loss_mask, ratio64, 0.0).sum() / denom, torch.nan),
+            "kl_k3": torch.where(num > 0, torch.where(loss_mask, ratio64 - 1.0 - log_ratio64, 0.0).sum() / denom,
+                                 torch.nan),
+            "num_action_tokens": num,
+        }
     return loss, stats

@@ -25,7 +25,7 @@ def value_loss(
     old_values: torch.Tensor | None = None,
     clip_range: float | None = None,
     num_tokens: float | int | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean squared error of the critic over action tokens, optionally PPO-clipped.
 
     Args:
@@ -41,9 +41,10 @@ def value_loss(
             global loss.
 
     Returns:
-        `(loss, stats)`: the 0-dim loss (no 1/2 factor) and floats over this call's action
-        tokens: `mse` (unclipped), `clip_frac` (tokens where the clipped error is the larger,
-        0 without clipping), `value_mean`, `return_mean`, `explained_variance`, `num_action_tokens`.
+        `(loss, stats)`: the 0-dim loss (no 1/2 factor) and, as 0-dim float64 tensors on the
+        inputs' device (see `dis_policy_loss`), over this call's action tokens: `mse`
+        (unclipped), `clip_frac` (tokens where the clipped error is the larger, 0 without
+        clipping), `value_mean`, `return_mean`, `explained_variance`, `num_action_tokens`.
     """
     check_mask(loss_mask)
     check_like_mask(values, "values", loss_mask)
@@ -74,26 +75,21 @@ def value_loss(
     loss = per_token.sum() / normaliser(num_tokens, loss_mask, pred)
 
     with torch.no_grad():
-        count = loss_mask.sum().to(torch.float64)
-        denom = count.clamp_min(1.0)
-        sums = torch.stack([
-            count,
-            err.sum().to(torch.float64) / denom,
-            clipped_larger.sum().to(torch.float64) / denom,
-            pred.sum().to(torch.float64) / denom,
-            target.sum().to(torch.float64) / denom,
-        ]).tolist()
-    num, mse, clip_frac, value_mean, return_mean = sums
-    if num == 0:
-        mse = value_mean = return_mean = math.nan
-    stats = {
-        "mse": mse,
-        "clip_frac": clip_frac,
-        "value_mean": value_mean,
-        "return_mean": return_mean,
-        "explained_variance": explained_variance(values.detach(), returns, loss_mask),
-        "num_action_tokens": num,
-    }
+        num = loss_mask.sum().to(torch.float64)
+        denom = num.clamp_min(1.0)
+
+        def mean(total: torch.Tensor) -> torch.Tensor:
+            return torch.where(num > 0, total.to(torch.float64) / denom, torch.nan)
+
+        stats = {
+            "mse": mean(err.sum()),
+            "clip_frac": clipped_larger.sum().to(torch.float64) / denom,
+            "value_mean": mean(pred.sum()),
+            "return_mean": mean(target.sum()),
+            "explained_variance": _explained_variance_of_moments(
+                explained_variance_moments(values.detach(), returns, loss_mask)),
+            "num_action_tokens": num,
+        }
     return loss, stats
 
 
@@ -148,6 +144,16 @@ def explained_variance_from_moments(moments: torch.Tensor) -> float:
     var_ret = s2_ret / n - (s_ret / n) ** 2
     var_res = s2_res / n - (s_res / n) ** 2
     return math.nan if _flat(var_ret, s2_ret / n) else 1.0 - var_res / var_ret
+
+
+def _explained_variance_of_moments(moments: torch.Tensor) -> torch.Tensor:
+    """`explained_variance_from_moments` as a 0-dim tensor on the moments' device (no transfer)."""
+    n, s_ret, s2_ret, s_res, s2_res = moments.to(torch.float64).unbind()
+    denom = n.clamp_min(1.0)
+    var_ret = s2_ret / denom - (s_ret / denom) ** 2
+    var_res = s2_res / denom - (s_res / denom) ** 2
+    defined = (n >= 2) & (var_ret > 1e-12 * (s2_ret / denom))
+    return torch.where(defined, 1.0 - var_res / torch.where(defined, var_ret, 1.0), torch.nan)
 
 
 def _flat(var: float, mean_square: float) -> bool:

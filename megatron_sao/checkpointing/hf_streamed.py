@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint
+from megatron_sao.platform.collective import broadcast_tensor
 
 
 def _rank_and_size() -> tuple[int, int]:
@@ -190,9 +191,8 @@ class StreamedHFModel:
             if meta is None:
                 received.append(None)
                 continue
-            tensor = items[position].contiguous() if owner == self.rank else torch.empty(meta[0], dtype=meta[1])
-            torch.distributed.broadcast(tensor, src=owner)
-            received.append(tensor)
+            mine = items[position] if owner == self.rank else None
+            received.append(broadcast_tensor(mine, owner, meta[0], meta[1]))  # the HF units run on the host
         return tuple(received) if is_tuple else received[0]
 
     def forward(self, tokens_bt: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ from megatron_sao.checkpointing.manifest import HF_DIR, check_files, read_manife
 from megatron_sao.checkpointing.mcore_io import load_model
 from megatron_sao.checkpointing.model_setup import Layout, Role, build_for_conversion, conversion_config
 from megatron_sao.models import critic_format as cf
-from megatron_sao.platform.collective import broadcast_object, raise_if_any, rank, world_size
+from megatron_sao.platform.collective import broadcast_object, broadcast_tensor, raise_if_any, rank, world_size
+from megatron_sao.platform.device import compute_device
 
 DEFAULT_PROMPT = ("<|im_start|>user\nA train leaves at 9:40 and arrives at 13:05. How long is the trip?<|im_end|>\n"
                   "<|im_start|>assistant\n<think>\n13:05 - 9:40 = 3 h 25 min.\n</think>\nThe trip takes 3 h 25 min.")
@@ -65,14 +66,17 @@ def prompt_token_ids(hf_dir: Path, prompt: str, max_tokens: int, multiple: int =
 
 
 def forward_outputs(chunks: list[torch.nn.Module], tokens_bt: torch.Tensor) -> torch.Tensor:
-    """Collective: the model's full output [B, T, V] (actor) or [B, T, 1] (critic) on every rank."""
+    """Collective: the model's full output [B, T, V] (actor) or [B, T, 1] (critic) on every rank,
+    on the host (where the HF reference is computed); the model runs on the compute device."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_sao.models.outputs import causal_attention_mask, position_ids_for
 
-    positions, mask = position_ids_for(tokens_bt), causal_attention_mask(tokens_bt.shape[1])
+    device = compute_device()
+    tokens_bt = tokens_bt.to(device)
+    positions, mask = position_ids_for(tokens_bt), causal_attention_mask(tokens_bt.shape[1], device=device)
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
@@ -92,17 +96,14 @@ def forward_outputs(chunks: list[torch.nn.Module], tokens_bt: torch.Tensor) -> t
             out = _broadcast_tensor(out, last, group)
         if out.shape[-1] != 1 and parallel_state.get_tensor_model_parallel_world_size() > 1:
             out = gather_from_tensor_model_parallel_region(out)
-    return out.float()
+    return out.float().cpu()
 
 
 def _broadcast_tensor(tensor: torch.Tensor | None, src: int, group: object) -> torch.Tensor:
     meta = [None if tensor is None else (tuple(tensor.shape), tensor.dtype)]
     torch.distributed.broadcast_object_list(meta, src=src, group=group)
     shape, dtype = meta[0]
-    if tensor is None:
-        tensor = torch.empty(shape, dtype=dtype)
-    torch.distributed.broadcast(tensor.contiguous(), src=src, group=group)
-    return tensor
+    return broadcast_tensor(tensor, src, shape, dtype, group=group, device=compute_device())
 
 
 def streamed_hf_outputs(hf_dir: Path, tokens_bt: torch.Tensor) -> tuple[Role, torch.Tensor]:

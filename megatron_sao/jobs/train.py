@@ -142,10 +142,8 @@ def train_rank(config: SaoConfig, run_dir: str, mode: Literal["rl", "sft"], resu
 
 def _loop(config: SaoConfig, trainer: Any, source: Any, run_dir: str, ckpt_dir: Path, resume_step: int | None,
           rank0: bool) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
     from megatron_sao.config.loader import config_to_dict
+    from megatron_sao.platform.collective import any_rank
     from megatron_sao.training.checkpoint import finalize_async_saves
     from megatron_sao.utils.run_logging import MetricsLogger
 
@@ -169,15 +167,14 @@ def _loop(config: SaoConfig, trainer: Any, source: Any, run_dir: str, ckpt_dir: 
                     metrics_log.log(metrics, step=step)
                 logger.info("step %d/%d %s", step, config.run.total_steps,
                             " ".join(f"{k}={metrics[k]:.4g}" for k in _CONSOLE_KEYS if k in metrics))
-            stop = torch.tensor([float(_stop_requested)])
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            stop = any_rank(_stop_requested)
             finalize_async_saves(blocking=False)
             every = config.checkpoint.save_every
-            last = bool(stop.item()) or step == config.run.total_steps
+            last = stop or step == config.run.total_steps
             if last or (every and step % every == 0):
                 save(final=last)
                 saved_step = step
-            if stop.item():
+            if stop:
                 stopped = True
                 break
         if saved_step != trainer.state.step:

@@ -1,7 +1,8 @@
 """torch.distributed and Megatron-Core parallel state, from the config.
 
 One code path for clusters and laptops: NCCL when CUDA is present, gloo (plus the CPU shims)
-otherwise. Processes are started by torchrun / srun / `platform.spawn` and find each other
+otherwise; the rank's compute device is chosen here, once (`platform.device`). Processes are
+started by torchrun / srun / `platform.spawn` / Ray (`platform.ray_ranks`) and find each other
 through the usual env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT);
 a bare single process needs none of them.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_sao.config.schema import ParallelismConfig
 from megatron_sao.platform.cpu_shims import apply_cpu_shims
+from megatron_sao.platform.device import select_compute_device
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +32,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
-    """Initialise the default process group once; returns (rank, world_size)."""
+def init_distributed(timeout_s: float = 600.0, assigned_gpu_ids: Sequence[str] = ()) -> tuple[int, int]:
+    """Initialise the default process group once; returns (rank, world_size).
+
+    `assigned_gpu_ids`: the GPUs a launcher assigned this rank by id (a Ray rank actor passes
+    `ray.get_gpu_ids()`); the compute device follows `platform.device`'s rule."""
     if not torch.cuda.is_available():
         apply_cpu_shims()
     if dist.is_initialized():
@@ -38,14 +44,11 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     if "RANK" not in os.environ:  # a bare single process
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    else:
-        backend = "gloo"
+    device = select_compute_device(assigned_gpu_ids)  # before NCCL: its communicators bind the current device
+    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    logger.info("torch.distributed: backend=%s rank=%d world=%d", backend, dist.get_rank(),
-                dist.get_world_size())
+    logger.info("torch.distributed: backend=%s rank=%d world=%d device=%s", backend, dist.get_rank(),
+                dist.get_world_size(), device)
     return dist.get_rank(), dist.get_world_size()
 
 

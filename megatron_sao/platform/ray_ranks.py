@@ -3,7 +3,8 @@
 `run_ray_ranks(fn, world_size, *args, ...)` places rank r in bundle `bundle_of_rank[r]` of a
 placement group, gives it the torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR = rank 0's node, MASTER_PORT free there), calls `fn(*args)` on every rank and returns
-the results in rank order, like `platform.spawn.run_distributed`. A rank that raises, or whose
+the results in rank order, like `platform.spawn.run_distributed`. A rank computes on the GPU Ray
+assigned its actor (`ray.get_gpu_ids()`, see `platform.device`). A rank that raises, or whose
 process dies, fails the call with `RankFailed` naming it, and the other ranks are killed rather
 than left waiting in a collective.
 
@@ -63,11 +64,15 @@ class _RankWorker:
         os.environ.update(env)
         rank = int(env["RANK"])
         configure_rank_process(rank, threads)
+        import ray
+
         from megatron_sao.platform.distributed import destroy_distributed, init_distributed
 
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            init_distributed()
+            # Ray set this actor's CUDA_VISIBLE_DEVICES to the GPU it assigned (LOCAL_RANK, the
+            # index among the node's ranks, is not a device index here): platform.device's rule.
+            init_distributed(assigned_gpu_ids=[str(gpu) for gpu in ray.get_gpu_ids()])
             return fn(*args)
         finally:
             with contextlib.suppress(Exception):  # teardown after a failure must not mask it

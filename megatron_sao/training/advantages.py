@@ -45,7 +45,7 @@ def bootstrapped_rewards(rewards_bt: torch.Tensor, loss_mask_bt: torch.Tensor, e
                          truncated_b: torch.Tensor, gamma: float) -> torch.Tensor:
     """Rewards with `gamma * V(s_end)` added at the last action token of truncated rows, so GAE
     bootstraps them from the critic instead of treating the cut as the end of the episode."""
-    positions_bt = torch.arange(loss_mask_bt.shape[1]).expand_as(loss_mask_bt)
+    positions_bt = torch.arange(loss_mask_bt.shape[1], device=loss_mask_bt.device).expand_as(loss_mask_bt)
     last_action_b = torch.where(loss_mask_bt, positions_bt, -1).max(dim=1).values
     rows = truncated_b & (last_action_b >= 0)
     out = rewards_bt.clone()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_sao.models.outputs import causal_attention_mask, position_ids_for, shifted_labels
+from megatron_sao.platform.device import compute_device
 from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
 from megatron_sao.rollout.trajectory_batch import collate_trajectories
 
@@ -173,9 +174,16 @@ class RankBatch:
     global_action_tokens: int
 
 
+def to_device(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
+    """The micro-batch with every tensor on `device` (megatron-bridge's
+    `training/utils/batch_utils.py` moves batches the same way: `.cuda(non_blocking=True)`)."""
+    return {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
+
+
 def shard_batch(trajectories: Sequence[Trajectory], dp_rank: int, dp_size: int, packing: PackingConfig,
                 pad_token_id: int = 0) -> RankBatch:
-    """Plan the global batch (identically on every rank) and build this rank's micro-batches."""
+    """Plan the global batch (identically on every rank) and build this rank's micro-batches, on
+    the rank's compute device (`platform.device`)."""
     if not trajectories:
         raise ValueError("a train step needs at least one trajectory")
     if not 0 <= dp_rank < dp_size:
@@ -183,7 +191,9 @@ def shard_batch(trajectories: Sequence[Trajectory], dp_rank: int, dp_size: int, 
     lengths = [len(t) for t in trajectories]
     plan = plan_micro_batches(lengths, dp_size, packing)
     mine = plan[dp_rank]
-    micro_batches = [build_micro_batch([trajectories[i] for i in group], packing, pad_token_id) for group in mine]
+    device = compute_device()
+    micro_batches = [to_device(build_micro_batch([trajectories[i] for i in group], packing, pad_token_id), device)
+                     for group in mine]
     return RankBatch(
         micro_batches=micro_batches,
         trajectory_indices=mine,

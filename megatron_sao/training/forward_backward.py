@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from megatron_sao.platform.device import compute_device
+
 Batch = dict[str, torch.Tensor]
 ForwardFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -86,7 +88,7 @@ def broadcast_from_last_stage(tensor: torch.Tensor | None, shape: tuple[int, ...
     group = parallel_state.get_pipeline_model_parallel_group()
     last = torch.distributed.get_global_rank(group, parallel_state.get_pipeline_model_parallel_world_size() - 1)
     if tensor is None:
-        tensor = torch.empty(shape, dtype=dtype)
+        tensor = torch.empty(shape, dtype=dtype, device=compute_device())
     tensor = tensor.contiguous()
     torch.distributed.broadcast(tensor, last, group=group)
     return tensor

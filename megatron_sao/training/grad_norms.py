@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_sao.models.param_groups import GROUPS, param_group
+from megatron_sao.platform.device import compute_device
 
 
 def _range_maps(optimizer: Any) -> dict[torch.nn.Parameter, tuple[int, int]]:
@@ -50,8 +51,8 @@ def grad_sq_norms_by_group(chunks: list[torch.nn.Module], optimizer: Any,
     first_dp = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     first_expert_dp = parallel_state.get_expert_data_parallel_rank() == 0
     index = {group: i for i, group in enumerate(GROUPS)}
-    sq = torch.zeros(len(GROUPS), dtype=torch.float64)
-    present = torch.zeros(len(GROUPS), dtype=torch.float64)
+    sq = torch.zeros(len(GROUPS), dtype=torch.float64, device=compute_device())
+    present = torch.zeros(len(GROUPS), dtype=torch.float64, device=compute_device())
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             i = index[param_group(name)]
@@ -72,4 +73,5 @@ def grad_sq_norms_by_group(chunks: list[torch.nn.Module], optimizer: Any,
             sq[i] += flat.double().square().sum()
     stacked = torch.stack([sq, present])
     torch.distributed.all_reduce(stacked)
-    return {group: float(stacked[0, i]) for group, i in index.items() if stacked[1, i] > 0}
+    sums, has = stacked.tolist()  # one transfer, not one per group
+    return {group: sums[i] for group, i in index.items() if has[i] > 0}

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_sao.platform.device import compute_device
+
 
 class RouterLoadTracker:
     """Counts routed tokens per (layer, expert) over the forwards it is asked to track."""
@@ -29,7 +31,8 @@ class RouterLoadTracker:
         self.num_layers = int(config.num_layers)
         self.num_experts = int(config.num_moe_experts or 0)
         self._token_mask_sb: torch.Tensor | None = None
-        self._counts_le = torch.zeros(self.num_layers, max(self.num_experts, 1), dtype=torch.float64)
+        self._counts_le = torch.zeros(self.num_layers, max(self.num_experts, 1), dtype=torch.float64,
+                                      device=compute_device())
         self._handles = [router.register_forward_hook(self._hook) for router in self._routers]
 
     @contextlib.contextmanager
@@ -72,7 +75,8 @@ class RouterLoadTracker:
             return {}
         mean_l = counts_le.mean(dim=1)
         ratio_l = torch.where(mean_l > 0, counts_le.max(dim=1).values / mean_l.clamp_min(1e-12), torch.nan)
-        out = {f"moe/max_over_mean_load/layer_{i + 1}": float(r) for i, r in enumerate(ratio_l) if mean_l[i] > 0}
+        out = {f"moe/max_over_mean_load/layer_{i + 1}": ratio
+               for i, (ratio, mean) in enumerate(zip(ratio_l.tolist(), mean_l.tolist(), strict=True)) if mean > 0}
         if out:
             out["moe/max_over_mean_load"] = max(out.values())
         return out

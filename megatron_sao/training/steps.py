@@ -22,6 +22,7 @@ import torch
 from megatron_sao.algo import dis_policy_loss, explained_variance_moments, ppo_clip_policy_loss, value_loss
 from megatron_sao.config.schema import AlgorithmConfig
 from megatron_sao.models.outputs import values_from_head
+from megatron_sao.platform.device import compute_device
 from megatron_sao.training.batches import MicroBatch
 from megatron_sao.training.forward_backward import broadcast_from_last_stage, run_forward_backward
 from megatron_sao.training.grad_norms import grad_sq_norms_by_group
@@ -57,7 +58,7 @@ def reduce_sums(outputs: Sequence[dict[str, torch.Tensor]], names: Sequence[str]
 
     total = None
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        total = torch.zeros(len(names), dtype=torch.float64)
+        total = torch.zeros(len(names), dtype=torch.float64, device=compute_device())
         for out in outputs:
             total += out["sums"].to(torch.float64)
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
@@ -65,8 +66,10 @@ def reduce_sums(outputs: Sequence[dict[str, torch.Tensor]], names: Sequence[str]
     return dict(zip(names, total.tolist(), strict=True))
 
 
-def _sums(values: Sequence[torch.Tensor | float]) -> torch.Tensor:
-    return torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().reshape(()) for v in values])
+def _sums(values: Sequence[torch.Tensor | float], device: torch.device) -> torch.Tensor:
+    """One float64 vector on `device` (the loss's) of tensors and Python numbers."""
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).detach().reshape(())
+                        for v in values])
 
 
 # ---- losses ----------------------------------------------------------------------------------
@@ -87,9 +90,12 @@ def policy_loss_fn(algorithm: AlgorithmConfig, temperature: float) -> LossFn:
             low = high = 0.0
             clipped = stats["clip_frac"] * stats["num_action_tokens"]
         count = stats["num_action_tokens"]
-        mean_or_zero = (lambda v: v * count) if count else (lambda v: 0.0)
-        sums = _sums([loss, count, low, high, torch.where(mask_bt, entropy_bt, 0.0).sum(),
-                      mean_or_zero(stats["kl_k3"]), mean_or_zero(stats["ratio_mean"]), clipped])
+
+        def total(mean: torch.Tensor) -> torch.Tensor:  # a mean back to a sum; 0 (not NaN) without tokens
+            return torch.where(count > 0, mean * count, 0.0)
+
+        sums = _sums([loss, count, low, high, torch.where(mask_bt, entropy_bt, 0.0).sum(), total(stats["kl_k3"]),
+                      total(stats["ratio_mean"]), clipped], loss.device)
         return loss, mask_bt.sum().to(torch.int), {"sums": sums}
 
     return loss_fn
@@ -105,7 +111,7 @@ def value_loss_fn(value_clip: float | None) -> LossFn:
                                  clip_range=value_clip, num_tokens=1)
         moments = explained_variance_moments(values_bt.detach(), mb["returns"], mask_bt)
         count = stats["num_action_tokens"]
-        sums = torch.cat([_sums([loss, count]), moments, _sums([stats["clip_frac"] * count])])
+        sums = torch.cat([_sums([loss, count], loss.device), moments, _sums([stats["clip_frac"] * count], loss.device)])
         return loss, mask_bt.sum().to(torch.int), {"sums": sums}
 
     return loss_fn
@@ -118,7 +124,7 @@ def sft_loss_fn() -> LossFn:
         logprobs_bt, entropy_bt = token_logprobs_and_entropy(logits, mb["labels"])
         mask_bt = mb["loss_mask"]
         loss = -torch.where(mask_bt, logprobs_bt, 0.0).sum()
-        sums = _sums([loss, mask_bt.sum(), torch.where(mask_bt, entropy_bt, 0.0).sum()])
+        sums = _sums([loss, mask_bt.sum(), torch.where(mask_bt, entropy_bt, 0.0).sum()], loss.device)
         return loss, mask_bt.sum().to(torch.int), {"sums": sums}
 
     return loss_fn
@@ -172,6 +178,6 @@ def forward_only(role: RoleOptimizer, micro_batches: list[MicroBatch],
 
 def all_ranks_agree(flag: bool) -> bool:
     """True iff `flag` is True on every rank of the world."""
-    value = torch.tensor([1.0 if flag else 0.0])
+    value = torch.tensor([1.0 if flag else 0.0], device=compute_device())
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
     return bool(value.item() == 1.0)

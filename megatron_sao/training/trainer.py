@@ -196,7 +196,8 @@ class SaoTrainer:
         value_sums = []
         for k, (mb, head_bt1) in enumerate(zip(batch.micro_batches, heads, strict=False)):
             values_bt = _values(head_bt1)
-            end_values_b = head_bt1[torch.arange(head_bt1.shape[0]), (mb["lengths"] - 1).clamp_min(0), 0]
+            rows_b = torch.arange(head_bt1.shape[0], device=head_bt1.device)
+            end_values_b = head_bt1[rows_b, (mb["lengths"] - 1).clamp_min(0), 0]
             rewards_bt = mb["rewards"]
             if alg.bootstrap_truncated:
                 rewards_bt = adv.bootstrapped_rewards(rewards_bt, mb["loss_mask"], end_values_b, mb["truncated"],
@@ -204,8 +205,9 @@ class SaoTrainer:
             advantages_bt, returns_bt = adv.critic_advantages(alg, rewards_bt, values_bt, mb["loss_mask"])
             mb["old_values"], mb["returns"] = values_bt, returns_bt
             finite &= bool(torch.isfinite(torch.where(mb["loss_mask"], values_bt, 0.0)).all())
+            lengths = mb["lengths"].tolist()  # one transfer per micro-batch, not one per row
             for row, index in enumerate(batch.trajectory_indices[k]):
-                rows[index] = advantages_bt[row, : int(mb["lengths"][row])]
+                rows[index] = advantages_bt[row, : lengths[row]]
             value_sums.append({"sums": _value_phase_sums(values_bt, returns_bt, advantages_bt, mb["loss_mask"])})
         phase = reduce_sums(value_sums, VALUE_PHASE_SUMS)
         if not all_ranks_agree(finite):
@@ -349,10 +351,10 @@ def _advantages_for(mb: MicroBatch, global_rows: list[int], adv_rows: dict[int, 
                     trajectory_adv_b: torch.Tensor | None, is_last_stage: bool) -> torch.Tensor:
     """`[b, t]` advantages of an actor micro-batch from the critic's rows or trajectory scalars."""
     mask_bt = mb["loss_mask"]
-    if trajectory_adv_b is not None:
+    if trajectory_adv_b is not None:  # computed on the host from the trajectories' rewards
         per_row = trajectory_adv_b[global_rows] if global_rows else torch.zeros(mask_bt.shape[0])
-        return torch.where(mask_bt, per_row[:, None].expand_as(mask_bt), 0.0)
-    out_bt = torch.zeros(mask_bt.shape, dtype=torch.float32)
+        return torch.where(mask_bt, per_row.to(mask_bt.device)[:, None].expand_as(mask_bt), 0.0)
+    out_bt = torch.zeros(mask_bt.shape, dtype=torch.float32, device=mask_bt.device)
     if is_last_stage:  # the critic's values (hence advantages) exist on the last stage only
         for row, index in enumerate(global_rows):
             values = adv_rows[index]

@@ -119,7 +119,6 @@ def evaluate_heldout(critic: Any, trajectories: Sequence[Trajectory], packing: A
     if num_bins < 1:
         raise ValueError(f"value_pretrain.calibration_bins must be >= 1, got {num_bins}")
     lo, hi = value_range
-    inner_edges = torch.linspace(lo, hi, num_bins + 1, dtype=torch.float64)[1:-1]
 
     def output_fn(head: torch.Tensor, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         values_bt = values_from_head(head).float()
@@ -127,10 +126,11 @@ def evaluate_heldout(critic: Any, trajectories: Sequence[Trajectory], packing: A
         _, returns_bt = skip_observation_gae(mb["rewards"], values_bt, mask_bt, gamma=gamma, lam=1.0)
         moments = explained_variance_moments(values_bt, returns_bt, mask_bt)
         v, g = values_bt[mask_bt].double(), returns_bt[mask_bt].double()
+        inner_edges = torch.linspace(lo, hi, num_bins + 1, dtype=torch.float64, device=v.device)[1:-1]
         index = torch.bucketize(v, inner_edges, right=True)
-        counts = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, index, torch.ones_like(v))
-        sum_v = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, index, v)
-        sum_g = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, index, g)
+        counts = v.new_zeros(num_bins).index_add_(0, index, torch.ones_like(v))
+        sum_v = v.new_zeros(num_bins).index_add_(0, index, v)
+        sum_g = v.new_zeros(num_bins).index_add_(0, index, g)
         return {"sums": torch.cat([moments, (v - g).square().sum().reshape(1), counts, sum_v, sum_g])}
 
     batch = shard_batch(trajectories, dp_rank, dp_size, packing)

@@ -55,12 +55,12 @@ def _write_json(path: Path, data: Any) -> None:
 def pretrain_rank(config: SaoConfig, run_dir: str, resume_from: str | None) -> dict[str, Any]:
     """Train to `run.total_steps`; returns the step reached, whether a signal stopped it, the last
     metrics and the last held-out result."""
-    import torch
     import torch.distributed as dist
 
     from megatron_sao.config.loader import config_to_dict
     from megatron_sao.jobs.train import checkpoints_dir
     from megatron_sao.platform import init_model_parallel
+    from megatron_sao.platform.collective import any_rank
     from megatron_sao.rollout.datasets import LoadReport
     from megatron_sao.training.checkpoint import finalize_async_saves
     from megatron_sao.training.trainer import SaoTrainer
@@ -149,14 +149,13 @@ def pretrain_rank(config: SaoConfig, run_dir: str, resume_from: str | None) -> d
                     metrics_log.log(metrics, step=step)
                 logger.info("step %d/%d %s", step, config.run.total_steps,
                             " ".join(f"{k}={metrics[k]:.4g}" for k in _CONSOLE if k in metrics))
-            stop = torch.tensor([float(_stop_requested)])
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            stop = any_rank(_stop_requested)
             finalize_async_saves(blocking=False)
             every = config.checkpoint.save_every
-            if stop.item() or last or (every and step % every == 0):
-                save(final=bool(stop.item()) or last)
+            if stop or last or (every and step % every == 0):
+                save(final=stop or last)
                 saved_step = step
-            if stop.item():
+            if stop:
                 stopped = True
                 break
         if saved_step != trainer.state.step:

@@ -147,7 +147,9 @@ def test_statistics() -> None:
     assert stats["ratio_min"] == pytest.approx(0.5) and stats["ratio_max"] == pytest.approx(7.0)
     k3 = sum(r - 1 - math.log(r) for r in (0.5, 0.9, 1.0, 1.2, 7.0)) / 5
     assert stats["kl_k3"] == pytest.approx(k3)
-    assert all(isinstance(v, float) for v in stats.values())
+    # 0-dim float64 tensors on the inputs' device: nothing in the loss waits for the device.
+    assert all(isinstance(v, torch.Tensor) and v.shape == () and v.dtype == torch.float64 and v.device == rho.device
+               for v in stats.values())
 
 
 def test_no_action_tokens_gives_zero_loss_and_nan_ratio_stats() -> None:

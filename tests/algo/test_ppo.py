@@ -70,6 +70,7 @@ def test_non_action_tokens_never_reach_loss_or_gradient() -> None:
     loss.backward()
     assert math.isfinite(loss.item()) and logprobs.grad[0, 1].item() == 0.0
     assert math.isfinite(stats["ratio_mean"]) and stats["num_action_tokens"] == 1.0
+    assert all(isinstance(v, torch.Tensor) and v.shape == () and v.dtype == torch.float64 for v in stats.values())
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

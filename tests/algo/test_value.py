@@ -38,6 +38,8 @@ def test_plain_mse_over_action_tokens_and_its_gradient() -> None:
     assert stats["mse"] == pytest.approx(float(err.square().mean()))
     assert stats["value_mean"] == pytest.approx(float(values.detach()[mask].mean()))
     assert stats["return_mean"] == pytest.approx(float(returns[mask].mean()))
+    assert stats["explained_variance"] == pytest.approx(explained_variance(values.detach(), returns, mask))
+    assert all(isinstance(v, torch.Tensor) and v.shape == () and v.dtype == torch.float64 for v in stats.values())
 
 
 def test_clipped_loss_takes_the_larger_error_per_token() -> None:
