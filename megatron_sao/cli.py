@@ -34,6 +34,16 @@ def _load(args: argparse.Namespace):
 def _run_training(args: argparse.Namespace, mode: str) -> int:
     from megatron_sao.jobs.train import run_train
 
+    if args.dry_run:
+        import contextlib
+
+        from megatron_sao.jobs.dry_run import dry_run
+        from megatron_sao.utils.console import console_out, default_log_path, quiet_output
+
+        # Megatron, megatron-bridge and transformers print pages while importing and building.
+        log = None if args.verbose else default_log_path(f"{args.command}-dry-run")
+        with quiet_output(log) if log is not None else contextlib.nullcontext():
+            return dry_run(_load(args), args.recipe, args.overrides, mode, console_out())
     code, result, run_dir = run_train(_load(args), mode=mode)
     metrics = result.get("metrics") or {}
     shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in ("actor/loss", "critic/value_loss", "critic/explained_variance",
@@ -65,6 +75,12 @@ def _cmd_config_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+DRY_RUN_HELP = ("check the recipe without training: config, layout against the model, `sao plan`'s verdict, that "
+                "every feature it asks for is built, and rank 0's trainer built at the real shapes in a fake world "
+                "(no GPU, no memory, nothing written); exit 0 with a summary, 2 naming the key of a problem, 1 "
+                "when it does not fit (docs/dry-run.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sao",
@@ -85,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "resumes from the latest checkpoint there (checkpoint.resume=auto). SIGTERM/SIGINT: "
                     "checkpoint, then exit 143.")
     _add_recipe_args(train)
+    train.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     train.set_defaults(func=_cmd_train)
 
     sft = sub.add_parser(
@@ -94,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "layout and resume rules as `sao train`. RL starts from the result with "
                     "actor.load=RUN_DIR/checkpoints.")
     _add_recipe_args(sft)
+    sft.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     sft.set_defaults(func=_cmd_sft)
 
     config = sub.add_parser("config", help="show a resolved recipe or describe config keys",

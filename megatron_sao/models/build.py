@@ -150,6 +150,12 @@ def _configure_provider(provider: Any, config: SaoConfig) -> None:
         provider.autocast_dtype = None
         for name in _CPU_FUSIONS_OFF:
             setattr(provider, name, False)
+    # Multi-token-prediction layers are not part of the models here (their HF tensors are carried
+    # through by conversion, docs/conversion.md), but megatron-bridge 0.6.2 sets mtp_num_layers from
+    # num_nextn_predict_layers (deepseek_v3_bridge.py, glm45_bridge.py) and builds them with the
+    # Transformer Engine spec whatever the layer spec (gpt_provider.py `mtp_block_spec`): on CPU
+    # the build fails, on GPUs it would add untrained layers with optimizer states.
+    provider.mtp_num_layers = None
     if not model.load_weights:
         for key, value in arch_overrides(model).items():
             setattr(provider, ARCH_OVERRIDES[key][1], value)
