@@ -1,10 +1,11 @@
 """The `sao` command: one thin sub-command per job.
 
-    sao train RECIPE.yaml [section.key=value ...]
-    sao sft RECIPE.yaml [section.key=value ...]
+    sao train RECIPE.yaml [section.key=value ...] [--dry-run]
+    sao sft RECIPE.yaml [section.key=value ...] [--dry-run]
     sao config show RECIPE.yaml [section.key=value ...]
     sao config describe [SECTION]
     sao convert {hf-to-mcore,mcore-to-hf,verify} ...
+    sao plan | launch | demo | online | value-pretrain | report ...   (see `sao COMMAND --help`)
 """
 
 from __future__ import annotations
@@ -92,11 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train", help="SAO / ablation RL training of a recipe",
-        description="Train the recipe's actor and critic (on launcher.nproc_per_node local processes, gloo on "
-                    "CPU): K critic updates and one actor update per batch of data.batch_size trajectories, "
-                    "run.total_steps steps. Trajectories come from rollout.source: `recorded` reads "
-                    "data.trajectories_path (Parquet/JSONL of the trajectory record) in file order; `engine` "
-                    "(rollout engines) is the asynchronous pipeline, not built yet. Writes config.yaml, "
+        description="Train the recipe's actor and critic on its trainer ranks (launcher.nproc_per_node local "
+                    "processes; srun tasks inside a Slurm job with launcher.kind=slurm; Ray actors with "
+                    "launcher.ray=true; NCCL on GPUs, gloo on CPU): K critic updates and one actor update per "
+                    "batch of data.batch_size trajectories, run.total_steps steps. Trajectories come from "
+                    "rollout.source: `recorded` reads data.trajectories_path (Parquet/JSONL of the trajectory "
+                    "record) in file order; `engine` is the asynchronous pipeline: rollout engines (SGLang, or the "
+                    "CPU engine) generate from the prompts of data.train_path while the trainer steps, and receive "
+                    "each new actor version (docs/pipeline.md). Writes config.yaml, "
                     "metrics.jsonl, wandb (offline) and checkpoints/iter_NNNNNNN/ into run.output_dir/run.name; "
                     "resumes from the latest checkpoint there (checkpoint.resume=auto). SIGTERM/SIGINT: "
                     "checkpoint, then exit 143.")

@@ -11,7 +11,7 @@ In order, stopping at the first problem:
    the call `SaoTrainer` makes at start);
 5. build: rank 0 of the recipe's world builds the trainer (`SaoTrainer`: the actor, the critic when
    the estimator needs one, their Megatron DDP wrappers, optimizers and LR schedules) in a fake
-   world (`platform/fake_world.py`: fake process group of the recipe's world size, fake tensors),
+   world (`platform/fake_world.py`: fake process group of the recipe's world size, meta tensors),
    at the recipe's real shapes with no memory behind them; its parameter counts are printed beside
    the plan's for the same rank.
 Exit 0 with a summary; 2 with one line naming the key (config, layout, unbuilt feature, missing
@@ -105,12 +105,12 @@ def build_rank0(config: SaoConfig, mode: Mode, census: Any) -> list[RoleBuild]:
     from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.planning.memory import rank_parameters
     from megatron_sao.platform import init_model_parallel
-    from megatron_sao.platform.fake_world import fake_tensors, fake_world
+    from megatron_sao.platform.fake_world import fake_world, meta_tensors
     from megatron_sao.training.trainer import SaoTrainer
 
     with fake_world(trainer_world_size(config), rank=0):
         init_model_parallel(config.parallelism, seed=config.run.seed)
-        with fake_tensors():
+        with meta_tensors():
             trainer = SaoTrainer(config, mode=mode)
         builds = []
         for name, role in trainer.roles.items():
@@ -124,8 +124,8 @@ def build_rank0(config: SaoConfig, mode: Mode, census: Any) -> list[RoleBuild]:
 def _inputs_line(config: SaoConfig, mode: Mode) -> str:
     key = "train_path" if mode == "rl" and config.rollout.source == "engine" else "trajectories_path"
     path = getattr(config.data, key)
-    state = "not set (a run needs it)" if not path else ("found" if Path(path).is_file() else "not found (a run needs it)")
-    return f"data.{key}={path!r}: {state}"
+    state = "found" if path and Path(path).is_file() else ("not found" if path else "not set")
+    return f"data.{key}={path!r}: {state}{'' if state == 'found' else ' (a run needs it)'}"
 
 
 def _vs(built: int, planned: float) -> str:
@@ -134,47 +134,46 @@ def _vs(built: int, planned: float) -> str:
 
 
 def dry_run(config: SaoConfig, recipe: str, overrides: list[str], mode: Mode, out: Any) -> int:
-    """Run the checks above on `config` (loaded from `recipe` + `overrides`), print the summary to
-    `out`; returns the exit code (0 or 1); raises ConfigError / ValueError / NotImplementedError
-    (exit 2) naming the key."""
+    """Run the checks above on `config` (loaded from `recipe` + `overrides`), printing the summary
+    to `out` line by line; returns the exit code (0, or 1: does not fit); raises ConfigError /
+    ValueError / NotImplementedError (exit 2) naming the key."""
     from megatron_sao.jobs.plan import build_plan
     from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.planning import census_from_hf_config, load_hf_config
     from megatron_sao.training.features import check_features_built
+    from megatron_sao.utils.console import console_err
+
+    def emit(line: str) -> None:
+        print(line, file=out, flush=True)
 
     command = "sao train" if mode == "rl" else "sao sft"
-    lines = [f"{command} --dry-run {recipe}{' ' + ' '.join(overrides) if overrides else ''}: nothing is started "
-             "or written"]
+    emit(f"{command} --dry-run {' '.join([recipe, *overrides])}: nothing is started or written")
     start = time.perf_counter()
     with _quiet_libraries(), tempfile.TemporaryDirectory(prefix="sao-dry-run-") as scratch:
         shape = shape_only_config(config, Path(scratch))
         check_layout_fits_model(shape, source=recipe)
         plan, _ = build_plan(recipe, overrides)
         p, gpus = config.parallelism, plan["gpus"]
-        lines.append(f"  layout    TP {p.tensor} PP {p.pipeline} CP {p.context} EP {p.expert} on {gpus['trainer']} "
-                     f"trainer GPUs of {gpus['total']} ({plan['architecture']}): divides the model")
+        emit(f"  layout    TP {p.tensor} PP {p.pipeline} CP {p.context} EP {p.expert} on {gpus['trainer']} trainer "
+             f"GPUs of {gpus['total']} ({plan['architecture']}): divides the model")
         memory = plan["memory_gib_per_gpu"]
-        verdict = "fits" if plan["fits"] else "does not fit"
-        lines.append(f"  plan      {verdict} on {plan['gpu']}: {memory['total']:.1f} of {plan['gpu_memory_gib']:.1f} "
-                     f"GiB per trainer GPU (largest term: {plan['largest_term']}); engines: {gpus['placement']}")
+        emit(f"  plan      {'fits' if plan['fits'] else 'does not fit'} on {plan['gpu']}: {memory['total']:.1f} of "
+             f"{plan['gpu_memory_gib']:.1f} GiB per trainer GPU (largest term: {plan['largest_term']}); engines: "
+             f"{gpus['placement']}")
         if not plan["fits"]:
-            from megatron_sao.utils.console import console_err
-
-            print("\n".join(lines), file=out, flush=True)
             print(f"{command}: dry run: does not fit on {plan['gpu']}: {'; '.join(plan['problems'])}",
                   file=console_err(), flush=True)
             return 1
         check_features_built(config, mode)
-        lines.append("  features  everything the recipe asks for is built (training/features.py)")
+        emit("  features  everything the recipe asks for is built (training/features.py)")
         census = census_from_hf_config(load_hf_config(config.model))
         t_build = time.perf_counter()
         builds = build_rank0(shape, mode, census)
-    lines.append(f"  build     rank 0 of {gpus['trainer']} (pipeline stage 0) built the trainer in a fake world in "
-                 f"{time.perf_counter() - t_build:.1f} s: local spec, float32, no memory behind the tensors")
+    emit(f"  build     rank 0 of {gpus['trainer']} (pipeline stage 0) built the trainer in a fake world in "
+         f"{time.perf_counter() - t_build:.1f} s: local spec, float32, meta tensors (no memory)")
     for b in builds:
-        lines.append(f"    {b.role:<7} parameters {_vs(b.params, b.plan_params)}; trainable "
-                     f"{_vs(b.trainable, b.plan_trainable)}; optimizer shard {_vs(b.optimizer_elems, b.plan_optimizer_elems)}")
-    lines.append(f"  inputs    {_inputs_line(config, mode)}")
-    lines.append(f"dry run ok ({time.perf_counter() - start:.1f} s)")
-    print("\n".join(lines), file=out, flush=True)
+        emit(f"    {b.role:<7} parameters {_vs(b.params, b.plan_params)}; trainable "
+             f"{_vs(b.trainable, b.plan_trainable)}; optimizer shard {_vs(b.optimizer_elems, b.plan_optimizer_elems)}")
+    emit(f"  inputs    {_inputs_line(config, mode)}")
+    emit(f"dry run ok ({time.perf_counter() - start:.1f} s)")
     return 0

@@ -2,7 +2,9 @@
 
 The model (all terms in GiB per GPU, for the worst pipeline stage):
 - weights: bf16 (fp32 on CPU recipes), dense parameters sharded over TP (embedding on the first
-  stage, LM head on the last), routed experts over ETP x EP; PP splits layers evenly;
+  stage, LM head on the last) except norms, the router and the DSA indexer (whole on every TP
+  rank), routed experts over ETP x EP; PP splits layers evenly; `rank_parameters` gives the
+  counts, which `sao train --dry-run` checks against the model the trainer builds;
 - gradients: fp32 main-grad buffers (`grad_reduce_in_fp32`), trainable parameters only, not
   sharded over data parallel;
 - optimizer: Adam m and v plus fp32 master weights (12 B per trainable parameter; 8 B when the
