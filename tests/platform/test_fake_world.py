@@ -35,7 +35,7 @@ def test_megatron_parallel_state_of_a_512_rank_world_in_one_process() -> None:
 
 
 def test_a_fake_world_refuses_a_process_with_torch_distributed_already_up() -> None:
-    with fake_world(2), pytest.raises(RuntimeError, match="without torch.distributed initialised"), fake_world(2):
+    with fake_world(2), pytest.raises(RuntimeError, match=r"without torch\.distributed initialised"), fake_world(2):
         pass
     assert not dist.is_initialized()
 
