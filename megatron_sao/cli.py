@@ -39,12 +39,14 @@ def _run_training(args: argparse.Namespace, mode: str) -> int:
         import contextlib
 
         from megatron_sao.jobs.dry_run import dry_run
-        from megatron_sao.utils.console import console_out, default_log_path, quiet_output
+        from megatron_sao.utils.console import console_err, console_out, default_log_path, quiet_output
 
-        # Megatron, megatron-bridge and transformers print pages while importing and building.
-        log = None if args.verbose else default_log_path(f"{args.command}-dry-run")
-        with quiet_output(log) if log is not None else contextlib.nullcontext():
-            return dry_run(_load(args), args.recipe, args.overrides, mode, console_out())
+        # Megatron, megatron-bridge and transformers print pages while importing and building: to
+        # a log file, unless -v or the command's output is already quieted (console_out() is then
+        # the terminal it started with, which is where the summary goes).
+        quiet = not args.verbose and console_out() is sys.stdout
+        with quiet_output(default_log_path(f"{args.command}-dry-run")) if quiet else contextlib.nullcontext():
+            return dry_run(_load(args), args.recipe, args.overrides, mode, console_out(), console_err())
     code, result, run_dir = run_train(_load(args), mode=mode)
     metrics = result.get("metrics") or {}
     shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in ("actor/loss", "critic/value_loss", "critic/explained_variance",

@@ -31,6 +31,7 @@ import contextlib
 import copy
 import json
 import logging
+import sys
 import tempfile
 import time
 import warnings
@@ -133,15 +134,15 @@ def _vs(built: int, planned: float) -> str:
     return f"{built:,} (plan {planned:,.0f}, {diff:+.2%})"
 
 
-def dry_run(config: SaoConfig, recipe: str, overrides: list[str], mode: Mode, out: Any) -> int:
+def dry_run(config: SaoConfig, recipe: str, overrides: list[str], mode: Mode, out: Any, err: Any = None) -> int:
     """Run the checks above on `config` (loaded from `recipe` + `overrides`), printing the summary
-    to `out` line by line; returns the exit code (0, or 1: does not fit); raises ConfigError /
-    ValueError / NotImplementedError (exit 2) naming the key."""
+    to `out` line by line (the verdict of a recipe that does not fit to `err`, default stderr);
+    returns the exit code (0, or 1: does not fit); raises ConfigError / ValueError /
+    NotImplementedError (exit 2) naming the key."""
     from megatron_sao.jobs.plan import build_plan
     from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.planning import census_from_hf_config, load_hf_config
     from megatron_sao.training.features import check_features_built
-    from megatron_sao.utils.console import console_err
 
     def emit(line: str) -> None:
         print(line, file=out, flush=True)
@@ -162,7 +163,7 @@ def dry_run(config: SaoConfig, recipe: str, overrides: list[str], mode: Mode, ou
              f"{gpus['placement']}")
         if not plan["fits"]:
             print(f"{command}: dry run: does not fit on {plan['gpu']}: {'; '.join(plan['problems'])}",
-                  file=console_err(), flush=True)
+                  file=err or sys.stderr, flush=True)
             return 1
         check_features_built(config, mode)
         emit("  features  everything the recipe asks for is built (training/features.py)")

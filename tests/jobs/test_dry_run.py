@@ -148,3 +148,18 @@ def test_context_parallel_is_refused_naming_the_key() -> None:
     if unbuilt_features(config):  # until issue 29 builds it
         with pytest.raises(NotImplementedError, match=r"^parallelism\.context=2: "):
             check_features_built(config)
+
+
+def test_the_summary_reaches_the_terminal_inside_a_quieted_command(capfd, tmp_path: Path) -> None:
+    """`sao` may already send third-party output to a log file (quiet_output) when the dry run
+    starts; the summary must still reach the terminal, not that log."""
+    from megatron_sao.cli import main
+    from megatron_sao.utils.console import quiet_output
+
+    with quiet_output(tmp_path / "outer.log"):
+        code = main(["train", TOO_BIG[0], TOO_BIG[1], "--dry-run"])
+    captured = capfd.readouterr()
+    assert code == 1
+    assert "  plan      does not fit on h100-80g" in captured.out
+    assert "does not fit on h100-80g: trainer GPU needs" in captured.err
+    assert "plan      does not fit" not in (tmp_path / "outer.log").read_text()
