@@ -37,6 +37,11 @@ def _run_training(args: argparse.Namespace, mode: str) -> int:
 
     if args.dry_run:
         import contextlib
+        import os
+
+        # Build as on a machine without GPUs (the local spec, meta tensors), also on a GPU node:
+        # hidden before anything in this process asks CUDA for its devices.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
         from megatron_sao.jobs.dry_run import dry_run
         from megatron_sao.utils.console import console_err, console_out, default_log_path, quiet_output
