@@ -150,11 +150,13 @@ def test_context_parallel_is_refused_naming_the_key() -> None:
             check_features_built(config)
 
 
-def test_the_summary_reaches_the_terminal_inside_a_quieted_command(capfd, tmp_path: Path) -> None:
+def test_the_summary_reaches_the_terminal_inside_a_quieted_command(capfd, monkeypatch, tmp_path: Path) -> None:
     """`sao` may already send third-party output to a log file (quiet_output) when the dry run
     starts; the summary must still reach the terminal, not that log."""
     from megatron_sao.cli import main
     from megatron_sao.utils.console import quiet_output
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the dry run sets it; restored for later tests
 
     with quiet_output(tmp_path / "outer.log"):
         code = main(["train", TOO_BIG[0], TOO_BIG[1], "--dry-run"])
