@@ -1,10 +1,11 @@
 """The `sao` command: one thin sub-command per job.
 
-    sao train RECIPE.yaml [section.key=value ...]
-    sao sft RECIPE.yaml [section.key=value ...]
+    sao train RECIPE.yaml [section.key=value ...] [--dry-run]
+    sao sft RECIPE.yaml [section.key=value ...] [--dry-run]
     sao config show RECIPE.yaml [section.key=value ...]
     sao config describe [SECTION]
     sao convert {hf-to-mcore,mcore-to-hf,verify} ...
+    sao plan | launch | demo | online | value-pretrain | report ...   (see `sao COMMAND --help`)
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ def _load(args: argparse.Namespace):
 def _run_training(args: argparse.Namespace, mode: str) -> int:
     from megatron_sao.jobs.train import run_train
 
+    if args.dry_run:
+        import contextlib
+        import os
+
+        # Build as on a machine without GPUs (the local spec, meta tensors), also on a GPU node:
+        # hidden before anything in this process asks CUDA for its devices.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+        from megatron_sao.jobs.dry_run import dry_run
+        from megatron_sao.utils.console import console_err, console_out, default_log_path, quiet_output
+
+        # Megatron, megatron-bridge and transformers print pages while importing and building: to
+        # a log file, unless -v or the command's output is already quieted (console_out() is then
+        # the terminal it started with, which is where the summary goes).
+        quiet = not args.verbose and console_out() is sys.stdout
+        with quiet_output(default_log_path(f"{args.command}-dry-run")) if quiet else contextlib.nullcontext():
+            return dry_run(_load(args), args.recipe, args.overrides, mode, console_out(), console_err())
     code, result, run_dir = run_train(_load(args), mode=mode)
     metrics = result.get("metrics") or {}
     shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in ("actor/loss", "critic/value_loss", "critic/explained_variance",
@@ -65,6 +83,12 @@ def _cmd_config_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+DRY_RUN_HELP = ("check the recipe without training: config, layout against the model, `sao plan`'s verdict, that "
+                "every feature it asks for is built, and rank 0's trainer built at the real shapes in a fake world "
+                "(no GPU, no memory, nothing written); exit 0 with a summary, 2 naming the key of a problem, 1 "
+                "when it does not fit (docs/dry-run.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sao",
@@ -76,15 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train", help="SAO / ablation RL training of a recipe",
-        description="Train the recipe's actor and critic (on launcher.nproc_per_node local processes, gloo on "
-                    "CPU): K critic updates and one actor update per batch of data.batch_size trajectories, "
-                    "run.total_steps steps. Trajectories come from rollout.source: `recorded` reads "
-                    "data.trajectories_path (Parquet/JSONL of the trajectory record) in file order; `engine` "
-                    "(rollout engines) is the asynchronous pipeline, not built yet. Writes config.yaml, "
+        description="Train the recipe's actor and critic on its trainer ranks (launcher.nproc_per_node local "
+                    "processes; srun tasks inside a Slurm job with launcher.kind=slurm; Ray actors with "
+                    "launcher.ray=true; NCCL on GPUs, gloo on CPU): K critic updates and one actor update per "
+                    "batch of data.batch_size trajectories, run.total_steps steps. Trajectories come from "
+                    "rollout.source: `recorded` reads data.trajectories_path (Parquet/JSONL of the trajectory "
+                    "record) in file order; `engine` is the asynchronous pipeline: rollout engines (SGLang, or the "
+                    "CPU engine) generate from the prompts of data.train_path while the trainer steps, and receive "
+                    "each new actor version (docs/pipeline.md). Writes config.yaml, "
                     "metrics.jsonl, wandb (offline) and checkpoints/iter_NNNNNNN/ into run.output_dir/run.name; "
                     "resumes from the latest checkpoint there (checkpoint.resume=auto). SIGTERM/SIGINT: "
                     "checkpoint, then exit 143.")
     _add_recipe_args(train)
+    train.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     train.set_defaults(func=_cmd_train)
 
     sft = sub.add_parser(
@@ -94,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "layout and resume rules as `sao train`. RL starts from the result with "
                     "actor.load=RUN_DIR/checkpoints.")
     _add_recipe_args(sft)
+    sft.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     sft.set_defaults(func=_cmd_sft)
 
     config = sub.add_parser("config", help="show a resolved recipe or describe config keys",

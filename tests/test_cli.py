@@ -37,6 +37,17 @@ def test_every_command_has_help(capsys):
     assert {"train", "sft", "config", "config show", "config describe"} <= set(seen)
 
 
+def test_train_help_is_not_stale(capsys):
+    """Issue 27 finding 11: the help said the engine source was "not built yet"."""
+    texts = {}
+    for command in ("train", "sft"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        texts[command] = " ".join(capsys.readouterr().out.split())
+        assert "not built" not in texts[command] and "--dry-run" in texts[command]
+    assert "`engine` is the asynchronous pipeline" in texts["train"]
+
+
 def test_bad_override_fails_fast_naming_the_key():
     proc = subprocess.run([sys.executable, "-m", "megatron_sao.cli", "train", TINY, "model.num_experts=abc"],
                           capture_output=True, text=True, timeout=120)

@@ -2,9 +2,9 @@
 
 megatron-bridge reads the HF config, maps it to a Megatron model provider and loads the weights;
 this module only chooses the layer spec and fusions for the machine (Transformer Engine spec on
-GPU, Megatron-Core's per-layer local spec on CPU: `cpu_spec.cpu_block_spec`), applies the
-parallel layout and the recipe's architecture overrides, turns the critic's LM head into a value
-head, and sets which parameter groups train.
+GPU when TE is installed, Megatron-Core's per-layer local spec otherwise:
+`cpu_spec.cpu_block_spec`), applies the parallel layout and the recipe's architecture overrides,
+turns the critic's LM head into a value head, and sets which parameter groups train.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from megatron_sao.config.schema import ModelConfig, RoleConfig, SaoConfig
 from megatron_sao.config.validate import expert_tensor_size, sequence_parallel_enabled, validate_against_model
-from megatron_sao.models.bridge_compat import load_auto_bridge
+from megatron_sao.models.bridge_compat import have_transformer_engine, load_auto_bridge
 from megatron_sao.models.param_groups import GroupCount, apply_trainable, format_param_table
 from megatron_sao.models.value_head import ValueHead
 
@@ -112,6 +112,9 @@ def check_layout_fits_model(config: SaoConfig, source: str = "config") -> None:
 def _configure_provider(provider: Any, config: SaoConfig) -> None:
     model, par = config.model, config.parallelism
     on_gpu = torch.cuda.is_available()
+    # Megatron-Core's local layer spec without Transformer Engine: always on CPU, and on GPUs where
+    # TE is not installed (slower kernels, same parameters; tools/gpu_check.sh runs so).
+    local_spec = not on_gpu or not have_transformer_engine()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[model.dtype]
     if not on_gpu and dtype != torch.float32:
         warnings.warn(f"model.dtype={model.dtype} ignored on CPU: Megatron-Core runs in float32 here",
@@ -130,7 +133,7 @@ def _configure_provider(provider: Any, config: SaoConfig) -> None:
     provider.fp16 = dtype == torch.float16
     provider.moe_token_dispatcher_type = model.moe_token_dispatcher
     provider.moe_aux_loss_coeff = model.moe_aux_loss_coeff
-    provider.moe_grouped_gemm = model.moe_grouped_gemm and on_gpu
+    provider.moe_grouped_gemm = model.moe_grouped_gemm and not local_spec
     # Losses are token sums; Megatron divides gradients by the token count summed over
     # micro-batches and DP ranks. DDP reads this when it is built (it then sums over DP instead of
     # averaging), so it is fixed here, not per step.
@@ -142,14 +145,21 @@ def _configure_provider(provider: Any, config: SaoConfig) -> None:
         provider.recompute_granularity = model.recompute_granularity
         if model.recompute_granularity == "full":
             provider.recompute_method, provider.recompute_num_layers = "uniform", 1
-    if not on_gpu:
+    if local_spec:
         from megatron_sao.models.cpu_spec import cpu_block_spec
 
         provider.transformer_layer_spec = cpu_block_spec
+        for name in _CPU_FUSIONS_OFF:  # each needs TE or Apex kernels
+            setattr(provider, name, False)
+    if not on_gpu:
         provider.use_cpu_initialization = True
         provider.autocast_dtype = None
-        for name in _CPU_FUSIONS_OFF:
-            setattr(provider, name, False)
+    # Multi-token-prediction layers are not part of the models here (their HF tensors are carried
+    # through by conversion, docs/conversion.md), but megatron-bridge 0.6.2 sets mtp_num_layers from
+    # num_nextn_predict_layers (deepseek_v3_bridge.py, glm45_bridge.py) and builds them with the
+    # Transformer Engine spec whatever the layer spec (gpt_provider.py `mtp_block_spec`): on CPU
+    # the build fails, on GPUs it would add untrained layers with optimizer states.
+    provider.mtp_num_layers = None
     if not model.load_weights:
         for key, value in arch_overrides(model).items():
             setattr(provider, ARCH_OVERRIDES[key][1], value)

@@ -2,7 +2,9 @@
 
 The model (all terms in GiB per GPU, for the worst pipeline stage):
 - weights: bf16 (fp32 on CPU recipes), dense parameters sharded over TP (embedding on the first
-  stage, LM head on the last), routed experts over ETP x EP; PP splits layers evenly;
+  stage, LM head on the last) except norms, the router and the DSA indexer (whole on every TP
+  rank), routed experts over ETP x EP; PP splits layers evenly; `rank_parameters` gives the
+  counts, which `sao train --dry-run` checks against the model the trainer builds;
 - gradients: fp32 main-grad buffers (`grad_reduce_in_fp32`), trainable parameters only, not
   sharded over data parallel;
 - optimizer: Adam m and v plus fp32 master weights (12 B per trainable parameter; 8 B when the
@@ -82,38 +84,63 @@ def _stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per if stage < pp - 1 else num_layers)
 
 
-def _role_states(config: SaoConfig, census: ModelCensus, role: RoleConfig, stage: int,
-                 critic: bool) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes of one role on one GPU of `stage`."""
+@dataclass(frozen=True, slots=True)
+class RankParameters:
+    """What one trainer GPU holds of one role: the counts behind the weights, gradients and
+    optimizer terms (`sao train --dry-run` compares them with what the trainer builds)."""
+
+    params: float
+    trainable: float
+    optimizer_elems: float
+    """Parameters whose optimizer state (master copy, Adam m and v) this GPU holds: the trainable
+    ones divided over data parallel by the distributed optimizer."""
+
+
+def rank_parameters(config: SaoConfig, census: ModelCensus, stage: int, critic: bool) -> RankParameters:
+    """The actor's (or critic's) parameters on one GPU of pipeline `stage`."""
     p = config.parallelism
+    role = config.critic if critic else config.actor
     world = trainer_world_size(config)
     etp = expert_tensor_size(config)
     dp_dense = world // (p.tensor * p.pipeline)  # distributed optimizer shards over DP x CP
     dp_expert = world // (etp * p.expert * p.pipeline)
-    w_bytes = 4 if config.model.dtype == "float32" else 2
-    optim_bytes = 8 if config.model.dtype == "float32" else 12
     trainable = _trainable_groups(role)
     counts: dict[str, int] = {}
+    replicated_attention = 0
     for index in _stage_layers(census.num_layers, p.pipeline, stage):
         for group, n in census.layers[index].items():
             counts[group] = counts.get(group, 0) + n
+        replicated_attention += census.tp_replicated[index] if census.tp_replicated else 0
     if stage == 0:
         counts["embedding"] = counts.get("embedding", 0) + census.outside.get("embedding", 0)
     if stage == p.pipeline - 1:
         counts["norms"] = counts.get("norms", 0) + census.outside.get("norms", 0)
         head = census.value_head if critic else census.outside.get("head", 0)
         counts["head"] = counts.get("head", 0) + head
-    weights = grads = optim = 0.0
+    params = trained = optimizer = 0.0
     for group, n in counts.items():
         expert = group == "experts"
-        shard = etp * p.expert if expert else (1 if group == "norms" or (critic and group == "head") else p.tensor)
+        # Norms, the router (megatron-core 0.19.2 TopKRouter: a [experts, hidden] weight on every
+        # TP rank) and the critic's value head are replicated over TP.
+        replicated = group in ("norms", "router") or (critic and group == "head")
+        shard = etp * p.expert if expert else (1 if replicated else p.tensor)
         local = n / shard
-        weights += local * w_bytes
+        if group == "attention":
+            local += replicated_attention * (1 - 1 / shard)
+        params += local
         if group in trainable:
-            grads += local * GRAD_BYTES
+            trained += local
             dp = dp_expert if expert else dp_dense
-            optim += local * optim_bytes / (dp if role.optim.use_distributed_optimizer else 1)
-    return weights, grads, optim
+            optimizer += local / (dp if role.optim.use_distributed_optimizer else 1)
+    return RankParameters(params, trained, optimizer)
+
+
+def _role_states(config: SaoConfig, census: ModelCensus, stage: int, critic: bool) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes of one role on one GPU of `stage`."""
+    w_bytes = 4 if config.model.dtype == "float32" else 2
+    optim_bytes = 8 if config.model.dtype == "float32" else 12
+    counts = rank_parameters(config, census, stage, critic)
+    return counts.params * w_bytes, counts.trainable * GRAD_BYTES, counts.optimizer_elems * optim_bytes
 
 
 def _activations(config: SaoConfig, census: ModelCensus, role: RoleConfig, stage: int, critic: bool) -> float:
@@ -174,8 +201,8 @@ def plan_memory(config: SaoConfig, census: ModelCensus, gpu: GpuSpec) -> MemoryP
     layout = gpu_layout(config)
     best: tuple[float, int, dict[str, float]] | None = None
     for stage in range(config.parallelism.pipeline):
-        actor = _role_states(config, census, config.actor, stage, critic=False)
-        critic = (_role_states(config, census, config.critic, stage, critic=True) if uses_critic(config)
+        actor = _role_states(config, census, stage, critic=False)
+        critic = (_role_states(config, census, stage, critic=True) if uses_critic(config)
                   else (0.0, 0.0, 0.0))
         activations = _activations(config, census, config.actor, stage, critic=False)
         if uses_critic(config):

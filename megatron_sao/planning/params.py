@@ -40,6 +40,10 @@ _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("dense_mlp", re.compile(r"\.mlp\.")),
 )
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+# Attention parameters Megatron keeps whole on every tensor-parallel rank: the norms inside
+# attention (q/k norms, MLA's latent norms) and the DSA indexer, whose projections megatron-core
+# 0.19.2 builds as duplicated linears (`backend.linear()`: TELinear parallel_mode="duplicated").
+_TP_REPLICATED = re.compile(r"\.self_attn\.(indexer\.|\w*norm\.)")
 
 
 def param_group(name: str) -> str:
@@ -79,6 +83,9 @@ class ModelCensus:
     """Per decoder layer: group -> parameter count."""
     outside: dict[str, int] = field(default_factory=dict)
     """Parameters outside the decoder layers: embedding, head, final norm."""
+    tp_replicated: list[int] = field(default_factory=list)
+    """Per decoder layer: attention parameters not split over tensor parallel (norms inside
+    attention, the DSA indexer)."""
     params_mtp: int = 0
 
     @property
@@ -192,11 +199,14 @@ def census_from_hf_config(hf: dict[str, Any]) -> ModelCensus:
     num_layers = int(hf["num_hidden_layers"])
     layers: list[dict[str, int]] = [{} for _ in range(num_layers)]
     outside: dict[str, int] = {}
+    tp_replicated = [0] * num_layers
     for name, param in model.named_parameters():
         group = param_group(name)
         match = _LAYER.search(name)
         bucket = layers[int(match[1])] if match else outside
         bucket[group] = bucket.get(group, 0) + param.numel()
+        if match and group == "attention" and _TP_REPLICATED.search(name):
+            tp_replicated[int(match[1])] += param.numel()
 
     h = int(hf["hidden_size"])
     heads = int(hf["num_attention_heads"])
@@ -230,6 +240,7 @@ def census_from_hf_config(hf: dict[str, Any]) -> ModelCensus:
         shared_ffn_hidden=shared_ffn,
         layers=layers,
         outside=outside,
+        tp_replicated=tp_replicated,
     )
     num_mtp = int(_first(hf, "num_nextn_predict_layers", "mtp_num_hidden_layers", default=0) or 0)
     if num_mtp and layers:

@@ -99,9 +99,9 @@ class SaoTrainer:
     def __init__(self, config: SaoConfig, mode: Mode = "rl") -> None:
         from megatron.core import parallel_state
 
-        if config.parallelism.context > 1:
-            raise NotImplementedError("context-parallel training (parallelism.context > 1) is not built yet: the "
-                                      "trainer does not split sequences across CP ranks; set parallelism.context=1")
+        from megatron_sao.training.features import check_features_built
+
+        check_features_built(config, mode)
         self.config = config
         self.mode = mode
         self.state = TrainerState()

@@ -15,6 +15,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # The GPU each shipped recipe states in its header comment.
 STATED_GPU = {
     "qwen3_30b_a3b_math_sao.yaml": "h100-80g",
+    "qwen3_30b_a3b_math_sao_1node_colocated.yaml": "h200-141g",
     "qwen3_30b_a3b_math_grpo.yaml": "h100-80g",
     "qwen3_30b_a3b_math_grpo_dis.yaml": "h100-80g",
     "qwen3_30b_a3b_swe_sao.yaml": "h100-80g",

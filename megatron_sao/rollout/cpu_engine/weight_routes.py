@@ -3,10 +3,11 @@ distributed group), the weight-update session and `update_weight_version`.
 
 Request and response bodies follow SGLang 0.5.23's `UpdateWeightFromDiskReqInput`,
 `UpdateWeightsFromTensorReqInput`, `InitWeightsUpdateGroupReqInput`,
-`UpdateWeightsFromDistributedReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`
-and `UpdateWeightVersionReqInput` (`managers/io_struct.py`). Every update is validated in full
-(names, shapes) before the first tensor is written, then applied on the scheduler thread between
-two decode steps; `weight_version` (when given) changes with it.
+`UpdateWeightsFromDistributedReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
+`UpdateWeightVersionReqInput` and `GetWeightsByNameReqInput` (the readback, by HF name)
+(`managers/io_struct.py`). Every update is validated in full (names, shapes) before the first
+tensor is written, then applied on the scheduler thread between two decode steps;
+`weight_version` (when given) changes with it.
 
 What 0.5.23 enforces, enforced here (`managers/scheduler_components/weight_updater.py`):
 - tensor and distributed updates run only inside a session opened by `/begin_weight_update` and
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse
 
 from megatron_sao.rollout.cpu_engine.occupation import EngineFatal
 from megatron_sao.rollout.cpu_engine.weights import read_hf_checkpoint
+from megatron_sao.rollout.ipc_payload import TORCH_IPC_LOAD_FORMAT, decode_torch_ipc_payload
 from megatron_sao.rollout.weight_transfer import (
     DEFAULT_GROUP_NAME,
     SAFETENSORS_LOAD_FORMAT,
@@ -136,16 +138,19 @@ def register_weight_routes(
             body = await _body(http)
             if engine.weight_session is None:
                 return _result(False, outside_session("update_weights_from_tensor"))
-            if body.get("load_format") != SAFETENSORS_LOAD_FORMAT:
+            decode = {SAFETENSORS_LOAD_FORMAT: decode_safetensors_payload,
+                      TORCH_IPC_LOAD_FORMAT: decode_torch_ipc_payload}.get(body.get("load_format"))
+            if decode is None:
                 raise ValueError(
                     "the CPU engine reads load_format='safetensors' payloads only (SGLang's default payload "
                     "carries CUDA IPC handles); build them with "
-                    "megatron_sao.rollout.weight_transfer.encode_safetensors_payload"
+                    "megatron_sao.rollout.weight_transfer.encode_safetensors_payload (or, on a CUDA machine, "
+                    "load_format='torch_ipc': megatron_sao.rollout.ipc_payload)"
                 )
             payloads = body.get("serialized_named_tensors") or []
             if len(payloads) != 1:
                 raise ValueError(f"the CPU engine has one TP rank and takes one payload, got {len(payloads)}")
-            named = await asyncio.to_thread(decode_safetensors_payload, payloads[0])
+            named = await asyncio.to_thread(decode, payloads[0])
         except ValueError as e:
             return _result(False, str(e))
         return await fatal_or(apply(named, body))
@@ -207,6 +212,19 @@ def register_weight_routes(
         if engine.groups.pop(str(body.get("group_name", DEFAULT_GROUP_NAME)), None) is None:
             return _result(False, "no such weight update group")
         return _result(True, "Succeeded to destroy custom process group.")
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(http: Request):
+        """sglang 0.5.23's readback (`GetWeightsByNameReqInput`: name, truncate_size=100; the answer is
+        the tensor's first `truncate_size` rows as float32 lists, `models/llama.py`
+        `get_weights_by_name`), by HF checkpoint name."""
+        body = await _body(http)
+        view = sched.weight_map.views.get(str(body.get("name")))
+        if view is None:
+            return JSONResponse({"error": {"message": f"Get parameter by name failed: no tensor {body.get('name')!r}"}},
+                                status_code=400)
+        rows = int(body.get("truncate_size", 100))
+        return JSONResponse(await on_scheduler(lambda: view.detach()[:rows].to(torch.float32).tolist()))
 
     @app.post("/update_weight_version")
     async def update_weight_version(http: Request):
