@@ -163,3 +163,17 @@ def critic_only_steps(hf_dir: str) -> dict[str, Any]:
     trajectories = random_trajectories(6, seed=17)
     history = [trainer.train_step(trajectories) for _ in range(4)]
     return {"history": history, "roles": sorted(trainer.roles), "has_actor": trainer.actor is not None}
+
+
+def replay_step(hf_dir: str, overrides: list[str], routing_seed: int | None) -> dict[str, Any]:
+    """One SAO step (actor.routing_replay=true) on 8 mixed-length trajectories carrying random
+    routing (`routing_seed`; None: no routing), as in `one_step_in_layout`."""
+    from tests.training.trajectories import with_random_routing
+
+    trainer = build_trainer(hf_dir, ["actor.routing_replay=true", *overrides])
+    trajectories = random_trajectories(8, seed=3, long_every=8)
+    if routing_seed is not None:
+        trajectories = with_random_routing(trajectories, seed=routing_seed, unrouted_every=5)
+    metrics = trainer.train_step(trajectories)
+    return {"metrics": metrics, "actor": full_parameters(trainer.actor.chunks),
+            "critic": full_parameters(trainer.critic.chunks)}
