@@ -187,12 +187,19 @@ def _loop(config: SaoConfig, trainer: Any, source: Any, run_dir: str, ckpt_dir: 
 
 
 class _RecordedSource:
-    """A recorded trajectory file as the trainer loop's source (every rank reads the file)."""
+    """A recorded trajectory file as the trainer loop's source (every rank reads the file; only
+    rank 0 reads its routing, and sends each rank its part: training/routing_shards.py)."""
 
     def __init__(self, config: SaoConfig) -> None:
-        from megatron_sao.rollout.recorded import RecordedTrajectories
+        import torch.distributed as dist
 
-        self.data = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size)
+        from megatron_sao.rollout.recorded import RecordedTrajectories
+        from megatron_sao.rollout.settings import model_routing_spec, routing_replay_enabled
+
+        replay = routing_replay_enabled(config)
+        self.data = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size,
+                                         routing=model_routing_spec(config) if replay else None,
+                                         with_routing=replay and dist.get_rank() == 0)
 
     def describe(self) -> str:
         return f"{len(self.data)} trajectories from {self.data.path} ({self.data.report.summary()})"

@@ -10,8 +10,9 @@ handed out so far) is the whole state: same file, same position -> same batches.
 Routing (`routed_experts`, schema version 2): a row whose routing is malformed (a token mixing
 routed and not-routed entries, an expert chosen twice) or does not fit the model (`routing`: its
 MoE layers, top-k, expert range) is skipped and counted like any other bad row (`bad_routing`).
-`with_routing=False` reads the file without its routing columns (the trainer ranks that do not
-distribute routing: only the rank that does holds a batch's routing, training/routing_shards.py).
+`with_routing=False` checks every row's routing as it is read, then drops it (the trainer ranks
+that do not distribute routing: they skip the same rows as the rank that does, which alone keeps
+the routing, training/routing_shards.py).
 """
 
 from __future__ import annotations
@@ -32,10 +33,7 @@ logger = logging.getLogger(__name__)
 _LOGGED_SKIPS = 20
 
 
-_ROUTING_COLUMNS = ("routed_experts", "routed_experts_layers", "routed_experts_topk")
-
-
-def _rows(path: Path, with_routing: bool = True) -> Iterator[tuple[int, Any]]:
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
     name = path.name.lower()
     if name.endswith(".jsonl"):
         with path.open("rb") as f:
@@ -48,9 +46,8 @@ def _rows(path: Path, with_routing: bool = True) -> Iterator[tuple[int, Any]]:
 
         try:
             parquet = pq.ParquetFile(path)
-            columns = None if with_routing else [c for c in parquet.schema_arrow.names if c not in _ROUTING_COLUMNS]
             row_number = 0
-            for batch in parquet.iter_batches(batch_size=1024, columns=columns):
+            for batch in parquet.iter_batches(batch_size=1024):
                 for row in batch.to_pylist():
                     row_number += 1
                     yield row_number, row
@@ -60,14 +57,11 @@ def _rows(path: Path, with_routing: bool = True) -> Iterator[tuple[int, Any]]:
         raise ValueError(f"trajectory file {path}: unknown format; use .parquet or .jsonl")
 
 
-def _parse(raw: Any, with_routing: bool = True) -> Trajectory:
+def _parse(raw: Any) -> Trajectory:
     row = json.loads(raw.decode("utf-8")) if isinstance(raw, bytes) else raw
     if not isinstance(row, dict):
         raise ValueError(f"row is a {type(row).__name__}, not a trajectory object")
     row = dict(row)
-    if not with_routing:
-        for name in _ROUTING_COLUMNS:
-            row.pop(name, None)
     if "metadata_json" in row:  # the Parquet layout stores metadata as JSON text
         row["metadata"] = json.loads(row.pop("metadata_json") or "{}")
     traj = trajectory_from_dict(row)
@@ -79,20 +73,22 @@ def load_trajectories(path: str | Path, routing: RoutingSpec | None = None,
                       with_routing: bool = True) -> tuple[list[Trajectory], LoadReport]:
     """Every valid trajectory of `path`, in file order, and the report of what was skipped. With
     `routing`, a row whose `routed_experts` does not fit that layout is skipped (`bad_routing`);
-    `with_routing=False` drops every row's routing unread."""
+    `with_routing=False` drops every row's routing once checked."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trajectory file {path} does not exist")
     report = LoadReport()
     out = []
-    for row_number, raw in _rows(path, with_routing):
+    for row_number, raw in _rows(path):
         report.num_rows += 1
         reason = "bad_record"
         try:
-            traj = _parse(raw, with_routing)
+            traj = _parse(raw)
             if routing is not None and traj.routed_experts is not None:
                 reason = "bad_routing"
                 routing.check(traj.routed_experts)
+            if not with_routing:
+                traj.routed_experts = None
             out.append(traj)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             if "routed_experts" in str(e):

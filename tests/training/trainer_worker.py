@@ -177,3 +177,15 @@ def replay_step(hf_dir: str, overrides: list[str], routing_seed: int | None) -> 
     metrics = trainer.train_step(trajectories)
     return {"metrics": metrics, "actor": full_parameters(trainer.actor.chunks),
             "critic": full_parameters(trainer.critic.chunks)}
+
+
+def recomputed_replay_step(hf_dir: str, overrides: list[str], routing_seed: int) -> dict[str, Any]:
+    """`replay_step` with full activation recomputation: the backward re-runs every layer's forward
+    (routers included), which must replay the routing of the micro-batch it recomputes (Megatron's
+    REPLAY_BACKWARD FIFO). Megatron's checkpoint saves and restores the CUDA RNG state; without a
+    GPU that state is stubbed here (dropout is off, nothing draws from it)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.zeros(1, dtype=torch.uint8)
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    return replay_step(hf_dir, ["model.recompute_granularity=full", *overrides], routing_seed)
