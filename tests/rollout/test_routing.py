@@ -67,9 +67,9 @@ def test_json_form_round_trips_and_refuses_ragged_entries():
 def test_a_token_keeps_the_routing_of_the_forward_that_first_computed_it():
     traj = random_trajectories(1, seed=0)[0]
     n = len(traj)
-    first = np.zeros((n - 1, 2, 2), dtype=np.int64) + [0, 1]
+    first = np.broadcast_to(np.array([0, 1]), (n - 1, 2, 2))
     traj.record_routing(0, first[: n // 2])  # a call that was aborted half-way
-    again = np.zeros((n - 1, 2, 2), dtype=np.int64) + [2, 3]  # the resumed call recomputed everything
+    again = np.broadcast_to(np.array([2, 3]), (n - 1, 2, 2))  # the resumed call recomputed everything
     traj.record_routing(0, again)
     rows = traj.routed_experts.indices_nlk
     assert (rows[: n // 2] == [0, 1]).all() and (rows[n // 2: n - 1] == [2, 3]).all()
