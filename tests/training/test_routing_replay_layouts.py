@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_sao.platform import run_distributed
+from tests.training.replay_worker import recomputed_replay_step, replay_step
 from tests.training.test_trainer_layouts import LAYOUTS, PACKING
-from tests.training.trainer_worker import replay_step
 
 ROUTING_SEED = 7
 
@@ -35,3 +35,17 @@ def test_replayed_step_matches_single_process(layout, reference, tiny_hf_dir):
     # No rank receives the whole batch's routing: each gets its DP share, its stage's layers or its
     # sequence part (the 1-process rank receives all of it, padded).
     assert got["moe/replay_rank_mb_max"] < 0.75 * ref["moe/replay_rank_mb_max"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["single", "pp2"])
+def test_recomputed_layers_replay_their_own_micro_batch(layout, reference, tiny_hf_dir):
+    """Full activation recomputation re-runs each layer's routers in the backward; Megatron's
+    REPLAY_BACKWARD gives them the routing of the micro-batch they recompute (under PP2's 1F1B
+    several micro-batches are in flight): the step equals the plain replayed one."""
+    world, extra = (1, []) if layout == "single" else (2, LAYOUTS["pp2"])
+    result = run_distributed(recomputed_replay_step, world, str(tiny_hf_dir), [*PACKING, *extra], ROUTING_SEED)[0]
+    for key in ("actor/loss", "actor/grad_norm", "rollout/logprob_abs_diff_mean", "moe/routing_agreement"):
+        assert result["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5, abs=1e-9), key
+    worst = max(float((result["actor"][k] - reference["actor"][k]).abs().max()) for k in reference["actor"])
+    assert worst <= 1e-6

@@ -164,28 +164,3 @@ def critic_only_steps(hf_dir: str) -> dict[str, Any]:
     history = [trainer.train_step(trajectories) for _ in range(4)]
     return {"history": history, "roles": sorted(trainer.roles), "has_actor": trainer.actor is not None}
 
-
-def replay_step(hf_dir: str, overrides: list[str], routing_seed: int | None) -> dict[str, Any]:
-    """One SAO step (actor.routing_replay=true) on 8 mixed-length trajectories carrying random
-    routing (`routing_seed`; None: no routing), as in `one_step_in_layout`."""
-    from tests.training.trajectories import with_random_routing
-
-    trainer = build_trainer(hf_dir, ["actor.routing_replay=true", *overrides])
-    trajectories = random_trajectories(8, seed=3, long_every=8)
-    if routing_seed is not None:
-        trajectories = with_random_routing(trajectories, seed=routing_seed, unrouted_every=5)
-    metrics = trainer.train_step(trajectories)
-    return {"metrics": metrics, "actor": full_parameters(trainer.actor.chunks),
-            "critic": full_parameters(trainer.critic.chunks)}
-
-
-def recomputed_replay_step(hf_dir: str, overrides: list[str], routing_seed: int) -> dict[str, Any]:
-    """`replay_step` with full activation recomputation: the backward re-runs every layer's forward
-    (routers included), which must replay the routing of the micro-batch it recomputes (Megatron's
-    REPLAY_BACKWARD FIFO). Megatron's checkpoint saves and restores the CUDA RNG state; without a
-    GPU that state is stubbed here (dropout is off, nothing draws from it)."""
-    from megatron.core.tensor_parallel import random as tp_random
-
-    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.zeros(1, dtype=torch.uint8)
-    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
-    return replay_step(hf_dir, ["model.recompute_granularity=full", *overrides], routing_seed)
