@@ -116,13 +116,13 @@ def main() -> None:
                 f"load average {os.getloadavg()[0]:.1f}"
             )
             print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per request, {args.rounds} rounds")
-            print(f"{'batch':>5} {'tokens':>8} {'seconds':>8} {'tokens/s':>10} {'ms/step':>8}")
             if args.routing:
                 routed_config = dataclasses.replace(config, return_routed_experts=True,
                                                     log_dir=str(Path(tmp) / "logs_routed"))
                 with EngineSupervisor(routed_config) as routed:
                     compare_routing(supervisor.urls[0], routed.urls[0], model, args)
                 return
+            print(f"{'batch':>5} {'tokens':>8} {'seconds':>8} {'tokens/s':>10} {'ms/step':>8}")
             for batch in args.batch_sizes:
                 generated, elapsed, _, _ = asyncio.run(
                     measure(supervisor.urls[0], batch, args.new_tokens, args.prompt_len, args.rounds)
