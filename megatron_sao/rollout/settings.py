@@ -24,9 +24,10 @@ _ENVIRONMENT_SETTINGS: dict[str, Callable[[RolloutConfig], dict[str, Any]]] = {
 }
 
 
-def engine_config_from(config: SaoConfig, model_path: str | None = None) -> EngineConfig:
+def engine_config_from(config: SaoConfig, model_path: str | None = None, routing: bool = True) -> EngineConfig:
     """Engine servers for `config` (SGLang on GPU, the CPU engine otherwise), serving `model_path`
-    (default: the run's HF checkpoint)."""
+    (default: the run's HF checkpoint); returning routed experts when the run replays routing,
+    unless `routing` is False (rollouts no actor trains on: evaluation, value pretraining)."""
     rollout = config.rollout
     return EngineConfig(
         backend=rollout.engine,
@@ -39,12 +40,13 @@ def engine_config_from(config: SaoConfig, model_path: str | None = None) -> Engi
         mem_fraction_static=rollout.sglang.mem_fraction_static,
         context_length=rollout.max_total_tokens,
         extra_args=list(rollout.sglang.extra_args),
-        return_routed_experts=replay_routing_spec(config) is not None,
+        return_routed_experts=routing and replay_routing_spec(config) is not None,
     )
 
 
-def agent_loop_config_from(config: SaoConfig) -> AgentLoopConfig:
-    """Turn / token limits, sampling and concurrency of the agent loop for `config`."""
+def agent_loop_config_from(config: SaoConfig, routing: bool = True) -> AgentLoopConfig:
+    """Turn / token limits, sampling and concurrency of the agent loop for `config`; recording
+    routed experts when the run replays routing, unless `routing` is False."""
     rollout = config.rollout
     return AgentLoopConfig(
         max_turns=rollout.max_turns,
@@ -54,7 +56,7 @@ def agent_loop_config_from(config: SaoConfig) -> AgentLoopConfig:
         top_p=rollout.top_p,
         top_k=rollout.top_k,
         max_concurrent_trajectories=rollout.num_engines * rollout.max_inflight_per_engine,
-        routing=replay_routing_spec(config),
+        routing=replay_routing_spec(config) if routing else None,
     )
 
 
