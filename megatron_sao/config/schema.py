@@ -149,7 +149,7 @@ class ActorConfig(RoleConfig):
     recorded routing use the actor's own router (counted: `moe/replay_missing_frac`). The critic
     always routes itself. null (default): on for an MoE model with `rollout.source=engine`; with
     `rollout.source=recorded`, on when the file's records carry routing (the tiny recorded
-    demo's do not); off for a dense model."""
+    demo's do not); off for a dense model. `sao sft` never replays."""
 
 
 @dataclass(kw_only=True)

@@ -232,6 +232,17 @@ class RoutedExperts:
                              f"{num_layers} layers x top-{topk}")
         return cls(flat.reshape(-1, num_layers, topk))
 
+    def pack(self) -> dict[str, Any]:
+        """Compact JSON form for checkpointed state (base64 of the int16 array, little-endian):
+        2.7 characters per entry where the list form takes ~4 (and a line each, indented)."""
+        return {"shape": list(self.indices_nlk.shape),
+                "int16_b64": base64.b64encode(self.indices_nlk.astype("<i2").tobytes()).decode("ascii")}
+
+    @classmethod
+    def unpack(cls, packed: Mapping[str, Any]) -> RoutedExperts:
+        shape = tuple(int(x) for x in packed["shape"])
+        return cls(np.frombuffer(base64.b64decode(packed["int16_b64"]), dtype="<i2").reshape(shape))
+
     # ---- value semantics --------------------------------------------------------------------
 
     def __eq__(self, other: object) -> bool:

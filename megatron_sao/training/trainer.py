@@ -138,7 +138,8 @@ class SaoTrainer:
         from megatron_sao.rollout.settings import routing_replay_enabled
 
         role_cfg = getattr(self.config, role)
-        replay = role == "actor" and routing_replay_enabled(self.config)  # the critic routes itself
+        # RL only (SFT data has no engine routing); the critic routes itself.
+        replay = role == "actor" and self.mode == "rl" and routing_replay_enabled(self.config)
         built = build_model(self.config, role, wrap_with_ddp=True, ddp_config=ddp_config_for(role_cfg.optim),
                             routing_replay=replay)
         if role_cfg.load:
