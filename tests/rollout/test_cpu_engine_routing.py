@@ -107,9 +107,12 @@ def test_an_update_mid_request_keeps_the_routing_computed_before_it():
             task = asyncio.create_task(client.generate(PROMPTS[0], params, return_routed_experts=True))
             while (await client.get_server_info())["stats"]["generated_tokens"] < 300 + 40:
                 await asyncio.sleep(0.01)
-            await client.pause_generation(mode="in_place")
+            await client.pause_generation(mode="in_place")  # the refit sequence of sglang 0.5.23
+            await client.begin_weight_update()
             await client.update_weights_from_tensor([encode_safetensors_payload(other)],
-                                                    load_format=SAFETENSORS_LOAD_FORMAT, weight_version="1")
+                                                    load_format=SAFETENSORS_LOAD_FORMAT, weight_version="1",
+                                                    flush_cache=False)
+            await client.end_weight_update()
             await client.continue_generation()
             return undisturbed, await asyncio.wait_for(task, 60)
 
