@@ -142,6 +142,14 @@ class ActorConfig(RoleConfig):
     num_mini_batches: int = 1
     """Actor optimizer steps per batch: the batch is split into this many mini-batches
     (paper SAO: 1). The actor's LR schedule counts these optimizer steps."""
+    routing_replay: bool | None = None
+    """R3 routing replay: the actor's forwards (DIS log-probs and the update) route every token to
+    the experts the rollout engine chose for it (`Trajectory.routed_experts`, engines started with
+    `--enable-return-routed-experts`) through Megatron-Core's router replay; tokens without
+    recorded routing use the actor's own router (counted: `moe/replay_missing_frac`). The critic
+    always routes itself. null (default): on for an MoE model with `rollout.source=engine`; with
+    `rollout.source=recorded`, on when the file's records carry routing (the tiny recorded
+    demo's do not); off for a dense model. `sao sft` never replays."""
 
 
 @dataclass(kw_only=True)

@@ -157,7 +157,7 @@ def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path)
     from megatron_sao.rollout.engine_supervisor import EngineSupervisor
     from megatron_sao.rollout.settings import agent_loop_config_from, engine_config_from, env_factory_from
 
-    engine_config = engine_config_from(config, model_path=str(hf_dir))
+    engine_config = engine_config_from(config, model_path=str(hf_dir), routing=False)  # evaluation: no replay
     log_dir.mkdir(parents=True, exist_ok=True)
     engine_config.log_dir = str(log_dir)
     with EngineSupervisor(engine_config) as supervisor:  # started on entry, stopped on exit
@@ -166,8 +166,8 @@ def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path)
         async def run() -> list[Any]:
             pool = EnginePool([EngineClient(u) for u in urls])
             # Sampled at rollout.temperature: the distribution RL optimises (and SFT's as sampled).
-            agent = AgentLoop(agent_loop_config_from(config), AutoTokenizer.from_pretrained(hf_dir), pool,
-                              env_factory_from(config))
+            agent = AgentLoop(agent_loop_config_from(config, routing=False), AutoTokenizer.from_pretrained(hf_dir),
+                              pool, env_factory_from(config))
             try:
                 return await agent.run(samples)
             finally:

@@ -184,12 +184,19 @@ def _loop(config: SaoConfig, trainer: Any, source: Any, run_dir: str, ckpt_dir: 
 
 
 class _RecordedSource:
-    """A recorded trajectory file as the trainer loop's source (every rank reads the file)."""
+    """A recorded trajectory file as the trainer loop's source (every rank reads the file; only
+    rank 0 reads its routing, and sends each rank its part: training/routing_shards.py)."""
 
-    def __init__(self, config: SaoConfig) -> None:
+    def __init__(self, config: SaoConfig, mode: str = "rl") -> None:
+        import torch.distributed as dist
+
         from megatron_sao.rollout.recorded import RecordedTrajectories
+        from megatron_sao.rollout.settings import model_routing_spec, routing_replay_enabled
 
-        self.data = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size)
+        replay = mode == "rl" and routing_replay_enabled(config)
+        self.data = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size,
+                                         routing=model_routing_spec(config) if replay else None,
+                                         with_routing=replay and dist.get_rank() == 0)
 
     def describe(self) -> str:
         return f"{len(self.data)} trajectories from {self.data.path} ({self.data.report.summary()})"
@@ -215,7 +222,7 @@ class _RecordedSource:
 
 def _make_source(config: SaoConfig, run_dir: Path, mode: str) -> Any:
     if mode != "rl" or config.rollout.source == "recorded":
-        return _RecordedSource(config)
+        return _RecordedSource(config, mode)
     from megatron_sao.pipeline.engine_source import EngineSource
 
     return EngineSource(config, run_dir)

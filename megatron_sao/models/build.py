@@ -109,7 +109,7 @@ def check_layout_fits_model(config: SaoConfig, source: str = "config") -> None:
     validate_against_model(config, model_architecture(config), source=source)
 
 
-def _configure_provider(provider: Any, config: SaoConfig) -> None:
+def _configure_provider(provider: Any, config: SaoConfig, routing_replay: bool = False) -> None:
     model, par = config.model, config.parallelism
     on_gpu = torch.cuda.is_available()
     # Megatron-Core's local layer spec without Transformer Engine: always on CPU, and on GPUs where
@@ -167,11 +167,20 @@ def _configure_provider(provider: Any, config: SaoConfig) -> None:
         if not hasattr(provider, key):
             raise ValueError(f"model.provider_overrides.{key}: {type(provider).__name__} has no such attribute")
         setattr(provider, key, value)
+    if routing_replay:
+        # R3: every router owns a RouterReplay (megatron/core/transformer/moe/router.py); the TE-fused
+        # top-k returns before consulting it (moe_utils.topk_routing_with_score_function).
+        if model.provider_overrides.get("moe_router_fusion"):
+            raise ValueError("model.provider_overrides.moe_router_fusion=true bypasses routing replay; drop it or "
+                             "set actor.routing_replay=false")
+        provider.moe_enable_routing_replay = True
+        provider.moe_router_fusion = False
     provider.finalize()
 
 
-def build_provider(config: SaoConfig) -> tuple[Any, Any]:
-    """(megatron-bridge AutoBridge, configured model provider) for `config.model`."""
+def build_provider(config: SaoConfig, routing_replay: bool = False) -> tuple[Any, Any]:
+    """(megatron-bridge AutoBridge, configured model provider) for `config.model`; with
+    `routing_replay`, routers that can replay recorded expert choices (training/routing_replay.py)."""
     model = config.model
     if model.load_weights and arch_overrides(model) and not model.build_tiny:
         raise ValueError(
@@ -182,7 +191,7 @@ def build_provider(config: SaoConfig) -> tuple[Any, Any]:
     check_layout_fits_model(config)
     bridge = load_auto_bridge(str(hf_path))
     provider = bridge.to_megatron_provider(load_weights=model.load_weights)
-    _configure_provider(provider, config)
+    _configure_provider(provider, config, routing_replay)
     return bridge, provider
 
 
@@ -190,8 +199,10 @@ def _role_config(config: SaoConfig, role: Role) -> RoleConfig:
     return config.actor if role == "actor" else config.critic
 
 
-def build_model(config: SaoConfig, role: Role, wrap_with_ddp: bool = False, ddp_config: Any = None) -> BuiltModel:
-    """Build `role`'s model chunks on this rank (parallel state must be initialised).
+def build_model(config: SaoConfig, role: Role, wrap_with_ddp: bool = False, ddp_config: Any = None,
+                routing_replay: bool = False) -> BuiltModel:
+    """Build `role`'s model chunks on this rank (parallel state must be initialised); with
+    `routing_replay` (the actor's R3) its routers can replay the engine's expert choices.
 
     The critic is the actor's trunk with `output_layer` replaced by a scalar `ValueHead` (after
     the HF weights are loaded, so the LM head is simply dropped). Which parameter groups train is
@@ -201,7 +212,7 @@ def build_model(config: SaoConfig, role: Role, wrap_with_ddp: bool = False, ddp_
 
     if not parallel_state.is_initialized():
         raise RuntimeError("Megatron parallel state is not initialised: call platform.init_model_parallel first")
-    _, provider = build_provider(config)
+    _, provider = build_provider(config, routing_replay)
     role_cfg = _role_config(config, role)
     counts: dict[str, GroupCount] = {}
 

@@ -62,6 +62,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_sao.algo.diagnostics import staleness_histogram
+from megatron_sao.rollout.routing import RoutedExperts
 from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
 from megatron_sao.rollout.trajectory_io import trajectory_from_dict, trajectory_to_dict
 
@@ -292,7 +293,7 @@ class ReadyBuffer:
 
             def group(g: _Group) -> dict[str, Any]:
                 return {"key": g.key, "prompt_id": g.prompt_id, "num_closed": g.num_closed,
-                        "members": [{"trajectory": trajectory_to_dict(e.traj), "waited_s": now - e.put_at}
+                        "members": [{"trajectory": _record(e.traj), "waited_s": now - e.put_at}
                                     for e in g.members]}
 
             return {"format": STATE_FORMAT, "group_size": self.group_size, "counts": dict(self.counts),
@@ -310,7 +311,7 @@ class ReadyBuffer:
             now = self.clock()
 
             def group(g: dict[str, Any]) -> _Group:
-                members = [_Entry(trajectory_from_dict(m["trajectory"]), now - float(m["waited_s"]))
+                members = [_Entry(_from_record(m["trajectory"]), now - float(m["waited_s"]))
                            for m in g["members"]]
                 return _Group(str(g["key"]), str(g["prompt_id"]), members, int(g["num_closed"]))
 
@@ -447,3 +448,19 @@ def wait_metrics(waits_s: list[float]) -> dict[str, float]:
         return {}
     return {"buffer/wait_s_mean": math.fsum(waits_s) / len(waits_s), "buffer/wait_s_p50": statistics.median(waits_s),
             "buffer/wait_s_max": max(waits_s)}
+
+
+def _record(traj: Trajectory) -> dict[str, Any]:
+    """A buffered trajectory in the checkpoint's JSON: its routed experts packed (base64 int16),
+    not as the per-token lists of the JSONL form (a few KB per token of an indented JSON file)."""
+    record = trajectory_to_dict(traj, with_routing=False)
+    if traj.routed_experts is not None:
+        record["routed_experts_packed"] = traj.routed_experts.pack()
+    return record
+
+
+def _from_record(record: dict[str, Any]) -> Trajectory:
+    traj = trajectory_from_dict(record)
+    if record.get("routed_experts_packed") is not None:
+        traj.routed_experts = RoutedExperts.unpack(record["routed_experts_packed"])
+    return traj

@@ -89,8 +89,10 @@ class EngineSource:
         self._sync(trainer, initial=True)
 
     def next_batch(self, trainer: Any) -> list[Trajectory]:
-        """`data.batch_size` ready trajectories, the same list on every rank."""
+        """`data.batch_size` ready trajectories, the same list on every rank; their routed experts
+        stay on rank 0, which sends each rank its part in the train step (training/routing_shards.py)."""
         batch: list[Any] = [None]
+        mine: list[Trajectory] = []
         if self.rank0:
             start = time.perf_counter()
             while batch[0] is None:
@@ -98,9 +100,11 @@ class EngineSource:
             self._wait_s = time.perf_counter() - start
             if self.colocated:
                 self.rollout.suspend()  # the trainer takes the devices; generation waits
+            mine = batch[0]
+            batch[0] = [dataclasses.replace(t, routed_experts=None) for t in mine]
         dist.broadcast_object_list(batch, src=0)
-        self._batch = batch[0]
-        return batch[0]
+        self._batch = mine if self.rank0 else batch[0]
+        return self._batch
 
     def after_step(self, trainer: Any) -> dict[str, float]:
         """Push new weights when the actor changed; the rollout's metrics (rank 0's). Colocated, in

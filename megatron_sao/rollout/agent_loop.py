@@ -19,6 +19,10 @@ Failure handling, one trajectory at a time (the loop itself never raises for the
 - an engine-side abort (`pause_generation(mode="abort")` for a weight update, `abort_request`)
   -> the partial turn is kept and generation resumes from it (`resume_on_engine_abort`); after
   `AgentLoop.abort()` -> ABORTED.
+Routing (R3, `AgentLoopConfig.routing`): every call asks the engine for the routed experts of the
+positions the trajectory has no routing for yet (`routed_experts_start_len`), so each token keeps
+the routing of the forward that first computed it, also across weight updates and re-sent calls;
+the record holds them in `Trajectory.routed_experts` (rollout/routing.py).
 Rewards: a per-turn reward on the last token of its action span, the terminal reward (with
 done) on the last action token. Who ends the episode scores it: a trajectory the loop truncates
 gets `truncation_reward` as terminal; one the environment ends with `truncated=True` keeps the
@@ -39,6 +43,7 @@ from megatron_sao.rollout.chat_format import ChatFormat
 from megatron_sao.rollout.client import EngineError, EngineUnavailableError, GenerateOutput, SamplingParams
 from megatron_sao.rollout.engine_pool import EnginePool
 from megatron_sao.rollout.environment import TRUNCATION_REASON_KEY, Environment, PromptSample, StepResult
+from megatron_sao.rollout.routing import RoutingSpec, decode_sglang_routed_experts
 from megatron_sao.rollout.trajectory import FinishType, RewardKind, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
@@ -72,6 +77,9 @@ class AgentLoopConfig:
     records none. An environment that truncates (`StepResult.truncated`) gives its own reward."""
     env_step_timeout_s: float | None = None
     """Time limit of one `env.step`; exceeding it -> FAILED ("env_step_timeout")."""
+    routing: RoutingSpec | None = None
+    """Ask the engines for routed experts and record them (`Trajectory.routed_experts`) in this
+    model's layout; None: no routing (engines must run with `--enable-return-routed-experts`)."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_new_tokens_per_turn", "max_concurrent_trajectories"):
@@ -310,7 +318,9 @@ class AgentLoop:
                 skip_special_tokens=False,
                 no_stop_trim=True,
             )
-            out = await self._call_engine(traj, params)
+            input_length = len(traj)
+            routed_start = self._routed_start(traj)
+            out = await self._call_engine(traj, params, routed_start)
             if out is None:  # re-send (engine went away before answering)
                 continue
             if out.output_logprobs is None:
@@ -323,6 +333,7 @@ class AgentLoop:
                 self._append(traj, out, versions, new_turn=turn_empty)
                 turn_tokens += len(out.output_ids)
                 turn_empty = False
+            self._record_routing(traj, out, routed_start, input_length)
             if out.finish_reason.type == "abort" and not self.chat.ends_with_stop(out.output_ids):
                 self._check_abort()
                 if not cfg.resume_on_engine_abort:
@@ -340,19 +351,40 @@ class AgentLoop:
             assert traj.turns[-1].observation_end > traj.turns[-1].action_end, "a turn must follow an observation"
         traj.append_action(out.output_ids, out.output_logprobs, versions, finish)
 
+    def _routed_start(self, traj: Trajectory) -> int | None:
+        """First position to ask routing for (the ones before it have theirs); None: no routing."""
+        if self.config.routing is None:
+            return None
+        return 0 if traj.routed_experts is None else traj.routed_experts.num_leading_routed()
+
+    def _record_routing(self, traj: Trajectory, out: GenerateOutput, start: int | None, input_length: int) -> None:
+        """Keep the answer's routing of positions `[start, input_length + outputs - 1)`."""
+        spec = self.config.routing
+        if spec is None or start is None or out.routed_experts is None:
+            return  # not asked, or an aborted call that returned none (the next call asks again)
+        rows = max(0, input_length + len(out.output_ids) - 1 - start)
+        try:
+            traj.record_routing(start, decode_sglang_routed_experts(out.routed_experts, spec, rows))
+        except ValueError as e:
+            raise _Stop(TrajectoryStatus.FAILED, f"engine_error: {e}") from e
+
     def _count_retry(self, traj: Trajectory, reason: str) -> None:
         traj.num_engine_retries += 1
         if traj.num_engine_retries > self.config.max_engine_retries:
             raise _Stop(TrajectoryStatus.FAILED, f"engine_retries_exhausted: {reason}")
 
-    async def _call_engine(self, traj: Trajectory, params: SamplingParams) -> GenerateOutput | None:
+    async def _call_engine(self, traj: Trajectory, params: SamplingParams,
+                           routed_start: int | None = None) -> GenerateOutput | None:
         async with self.pool.acquire() as client:
             self._check_abort()
             rid = f"{traj.trajectory_id}-{traj.num_engine_calls}"
             traj.num_engine_calls += 1
             start = time.perf_counter()
             try:
-                return await client.generate(traj.token_ids, params, rid=rid)
+                if routed_start is None:
+                    return await client.generate(traj.token_ids, params, rid=rid)
+                return await client.generate(traj.token_ids, params, rid=rid, return_routed_experts=True,
+                                             routed_experts_start_len=routed_start)
             except EngineUnavailableError as e:
                 await self.pool.mark_unhealthy(client)
                 self._count_retry(traj, f"engine_unavailable: {e.message}")

@@ -8,7 +8,9 @@ the same calls drive a real SGLang server and the CPU engine:
 
 - `POST /generate` with `input_ids`, `sampling_params`, `return_logprob` -> `text`,
   `output_ids`, `meta_info.output_token_logprobs` (`[logprob, token_id, text|null]`),
-  `meta_info.finish_reason` (`{"type": "stop"|"length"|"abort", ...}`), `weight_version`;
+  `meta_info.finish_reason` (`{"type": "stop"|"length"|"abort", ...}`), `weight_version`; with
+  `return_routed_experts` (+ `routed_experts_start_len`), `meta_info.routed_experts` (base64 int32,
+  rollout/routing.py; the server must run with `--enable-return-routed-experts`);
 - `GET /health_generate`; `GET /model_info` (its `weight_version` is the engine's current
   version: 0.5.23 has no `/get_weight_version`), `GET /server_info`;
 - `POST /abort_request {rid, abort_all}`; `POST /pause_generation {mode}`,
@@ -149,9 +151,14 @@ class EngineClient:
         sampling_params: SamplingParams | dict[str, Any],
         rid: str | None = None,
         return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
         **extra: Any,
     ) -> GenerateOutput:
-        """One token-in / token-out generation (not streamed)."""
+        """One token-in / token-out generation (not streamed). With `return_routed_experts` the
+        answer must carry `meta_info.routed_experts` unless the request was aborted: an engine that
+        drops the request (SGLang started without `--enable-return-routed-experts` answers without
+        it, silently) is an `EngineError` here, never a trajectory silently without routing."""
         params = sampling_params.to_json() if isinstance(sampling_params, SamplingParams) else dict(sampling_params)
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
@@ -159,15 +166,23 @@ class EngineClient:
             "return_logprob": return_logprob,
             **extra,
         }
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
+            payload["routed_experts_start_len"] = routed_experts_start_len
         if rid is not None:
             payload["rid"] = rid
         data = await self._post_json("/generate", payload, timeout=self._generate_timeout)
         if not isinstance(data, dict):
             raise EngineError(self.base_url, f"unexpected /generate answer: {str(data)[:200]}")
         try:
-            return GenerateOutput.from_response(data)
+            out = GenerateOutput.from_response(data)
         except (KeyError, TypeError, ValueError, IndexError) as e:  # a malformed answer is the engine's error
             raise EngineError(self.base_url, f"malformed /generate answer ({e!r}): {str(data)[:200]}") from e
+        if return_routed_experts and out.routed_experts is None and out.finish_reason.type != "abort":
+            raise EngineError(self.base_url, "the /generate answer has no meta_info.routed_experts although the "
+                              "request set return_routed_experts: start SGLang (or the CPU engine) with "
+                              "--enable-return-routed-experts")
+        return out
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort requests whose id starts with `rid` (SGLang's prefix match), or all of them.

@@ -3,8 +3,10 @@ answer, finish reasons, per-token weight-version spans, and the client's errors.
 
 `GenerateOutput.from_response` reads SGLang's non-streaming answer
 `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "weight_version", "weight_versions"?, "output_token_logprobs"?}}`
-(sglang 0.5.x; `weight_versions` spans exist in current SGLang and in the CPU engine).
+"completion_tokens", "weight_version", "weight_versions"?, "output_token_logprobs"?,
+"routed_experts"?}}` (sglang 0.5.x; `weight_versions` spans exist in current SGLang and in the CPU
+engine; `routed_experts` is kept as sent, base64, and decoded with the model's layout by
+`rollout/routing.py`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class GenerateOutput:
     weight_version: str
     weight_version_spans: list[VersionSpan]
     meta_info: dict[str, Any] = field(repr=False)
+    routed_experts: str | None = field(default=None, repr=False)
+    """`meta_info.routed_experts` as sent (base64 int32), when the engine returned routing."""
 
     @classmethod
     def from_response(cls, data: dict[str, Any]) -> GenerateOutput:
@@ -108,6 +112,7 @@ class GenerateOutput:
             weight_version=version,
             weight_version_spans=spans,
             meta_info=meta,
+            routed_experts=meta.get("routed_experts"),
         )
 
     def token_versions(self) -> list[str]:

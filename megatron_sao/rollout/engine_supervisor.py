@@ -91,6 +91,9 @@ class EngineConfig:
     """Restarts per engine before the supervisor gives up on it."""
     log_dir: str | None = None
     """Engine i writes its output to log_dir/engine_{i}.log (None: inherit this process's)."""
+    return_routed_experts: bool = False
+    """Start engines with `--enable-return-routed-experts` (SGLang 0.5.23's server flag, which the
+    CPU engine shares) so that requests asking for routed experts get them (routing replay)."""
 
     @property
     def gpus_per_engine(self) -> int:
@@ -178,6 +181,7 @@ class EngineSupervisor:
                 *("--random-seed", str(c.random_seed + c.first_index + index)),
                 *("--threads", str(c.cpu_threads), "--dtype", c.cpu_dtype),
                 *(["--max-running-requests", str(c.max_running_requests)] if c.max_running_requests else []),
+                *(["--enable-return-routed-experts"] if c.return_routed_experts else []),
                 *c.extra_args,
             ]
         cmd = [
@@ -207,6 +211,8 @@ class EngineSupervisor:
             cmd.append("--enable-memory-saver")
         if c.trust_remote_code:
             cmd.append("--trust-remote-code")
+        if c.return_routed_experts:  # sglang/srt/arg_groups/fields/exec_.py: enable_return_routed_experts
+            cmd.append("--enable-return-routed-experts")
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:

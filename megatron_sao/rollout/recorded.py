@@ -6,6 +6,13 @@ end (each pass is an epoch). A row that is not a valid trajectory record (unpars
 invariants, a non-finite reward) is skipped and counted with its file and row, like a bad prompt
 row (`rollout/datasets.py`); a file with no valid row is an error. The position (trajectories
 handed out so far) is the whole state: same file, same position -> same batches.
+
+Routing (`routed_experts`, schema version 2): a row whose routing is malformed (a token mixing
+routed and not-routed entries, an expert chosen twice) or does not fit the model (`routing`: its
+MoE layers, top-k, expert range) is skipped and counted like any other bad row (`bad_routing`).
+`with_routing=False` checks every row's routing as it is read, then drops it (the trainer ranks
+that do not distribute routing: they skip the same rows as the rank that does, which alone keeps
+the routing, training/routing_shards.py).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.rollout.datasets import LoadReport, SkippedRow
+from megatron_sao.rollout.routing import RoutingSpec
 from megatron_sao.rollout.trajectory import Trajectory
 from megatron_sao.rollout.trajectory_io import trajectory_from_dict
 
@@ -61,8 +69,11 @@ def _parse(raw: Any) -> Trajectory:
     return traj
 
 
-def load_trajectories(path: str | Path) -> tuple[list[Trajectory], LoadReport]:
-    """Every valid trajectory of `path`, in file order, and the report of what was skipped."""
+def load_trajectories(path: str | Path, routing: RoutingSpec | None = None,
+                      with_routing: bool = True) -> tuple[list[Trajectory], LoadReport]:
+    """Every valid trajectory of `path`, in file order, and the report of what was skipped. With
+    `routing`, a row whose `routed_experts` does not fit that layout is skipped (`bad_routing`);
+    `with_routing=False` drops every row's routing once checked."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trajectory file {path} does not exist")
@@ -70,10 +81,18 @@ def load_trajectories(path: str | Path) -> tuple[list[Trajectory], LoadReport]:
     out = []
     for row_number, raw in _rows(path):
         report.num_rows += 1
+        reason = "bad_record"
         try:
-            out.append(_parse(raw))
+            traj = _parse(raw)
+            if routing is not None and traj.routed_experts is not None:
+                reason = "bad_routing"
+                routing.check(traj.routed_experts)
+            if not with_routing:
+                traj.routed_experts = None
+            out.append(traj)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            reason = "bad_record"
+            if "routed_experts" in str(e):
+                reason = "bad_routing"
             report.counts[reason] += 1
             report.skipped.append(SkippedRow(str(path), row_number, reason, str(e)[:300]))
             level = logging.WARNING if report.num_skipped <= _LOGGED_SKIPS else logging.DEBUG
@@ -87,11 +106,12 @@ def load_trajectories(path: str | Path) -> tuple[list[Trajectory], LoadReport]:
 class RecordedTrajectories:
     """Batches of `batch_size` recorded trajectories in file order, wrapping around at the end."""
 
-    def __init__(self, path: str | Path, batch_size: int) -> None:
+    def __init__(self, path: str | Path, batch_size: int, routing: RoutingSpec | None = None,
+                 with_routing: bool = True) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.path = Path(path)
-        self.trajectories, self.report = load_trajectories(self.path)
+        self.trajectories, self.report = load_trajectories(self.path, routing, with_routing)
         self.batch_size = batch_size
         self.position = 0
 

@@ -11,7 +11,10 @@ Per-token arrays (all of length `len(token_ids)`):
 - `loss_mask`: 1 on action tokens, 0 on prompt and observation tokens;
 - `rollout_logprobs`: the engine's log-prob of the sampled token on action tokens, 0.0 elsewhere;
 - `policy_versions`: the engine weight version that sampled the token on action tokens, -1
-  elsewhere (a trajectory spans several versions when weights change mid-generation).
+  elsewhere (a trajectory spans several versions when weights change mid-generation);
+- `routed_experts` (optional, MoE engines asked for it): per token, per MoE layer, the top-k
+  experts the engine's router chose when it computed that token (`rollout/routing.py`); None
+  when the engine did not report routing.
 
 Rewards are sparse: each `Reward` is credited to one action token (a per-turn reward to the last
 token of its action span, the terminal reward to the last action token of the trajectory);
@@ -30,6 +33,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+
+from megatron_sao.rollout.routing import RoutedExperts
 
 NO_POLICY_VERSION = -1
 """`policy_versions` value of prompt and observation tokens (they were not sampled)."""
@@ -124,6 +131,9 @@ class Trajectory:
     metadata: dict[str, Any] = field(default_factory=dict)
     """JSON-serialisable extras (dataset metadata, environment info)."""
     trajectory_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    routed_experts: RoutedExperts | None = None
+    """Per token, per MoE layer, the engine's top-k expert indices (`[n, L, k]`, `NOT_ROUTED` rows
+    for tokens the engine did not route); None without routing. Replayed by the actor (R3)."""
 
     # ---- building ---------------------------------------------------------------------------
 
@@ -179,11 +189,27 @@ class Trajectory:
         self.rewards.append(reward)
         return reward
 
+    def record_routing(self, start: int, rows_mlk: np.ndarray) -> None:
+        """The engine's routing of tokens `[start, start + m)` (`rows_mlk`: `[m, L, k]` expert
+        indices); tokens already routed keep theirs (the forward that first computed a token is the
+        one whose routing produced the next token's log-prob)."""
+        if self.routed_experts is None:
+            self.routed_experts = RoutedExperts.empty(0, rows_mlk.shape[1], rows_mlk.shape[2])
+        known = self.routed_experts.num_leading_routed()
+        if start + len(rows_mlk) > len(self.token_ids):
+            raise ValueError(f"routing of tokens [{start}, {start + len(rows_mlk)}) beyond the trajectory's "
+                             f"{len(self.token_ids)} tokens")
+        if start + len(rows_mlk) > known:
+            skip = max(0, known - start)
+            self.routed_experts = self.routed_experts.with_rows(start + skip, rows_mlk[skip:])
+
     def finish(self, status: TrajectoryStatus, reason: str = "") -> None:
         if status == TrajectoryStatus.RUNNING:
             raise ValueError("finish() needs a final status")
         self.status = TrajectoryStatus(status)
         self.status_reason = reason
+        if self.routed_experts is not None:  # the last token(s) were never fed to the engine
+            self.routed_experts = self.routed_experts.resized(len(self.token_ids))
 
     def _extend(
         self,
@@ -276,3 +302,13 @@ class Trajectory:
             raise ValueError(f"{where}: {num_terminal} terminal rewards")
         if self.status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED) and not self.turns:
             raise ValueError(f"{where}: a {self.status} trajectory needs at least one action")
+        if self.routed_experts is not None:
+            if not isinstance(self.routed_experts, RoutedExperts):
+                kind = type(self.routed_experts).__name__
+                raise ValueError(f"{where}: routed_experts is a {kind}, not RoutedExperts")
+            if self.routed_experts.num_tokens != n:
+                raise ValueError(f"{where}: routed_experts has {self.routed_experts.num_tokens} entries for {n} tokens")
+            try:
+                self.routed_experts.check()
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None

@@ -6,6 +6,12 @@ The Parquet schema is flat and typed (list columns for the per-token arrays, str
 rewards and timings); `metadata` is stored as a JSON string because its shape varies between
 environments. `SCHEMA_VERSION` is written with every row so that a later change can be read
 side by side with old corpora.
+
+Schema versions: 1 (no routing); 2 adds `routed_experts` (rollout/routing.py): in JSONL one entry
+per token, `[moe_layers][topk]` expert indices or null (not routed), null for a trajectory without
+routing; in Parquet the int16 column `routed_experts` (the `[n, L, k]` indices in C order, a token
+that was not routed stored as -1 entries) with `routed_experts_layers` and `routed_experts_topk`
+(int16), all null without routing. Version-1 files read as trajectories without routing.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from megatron_sao.rollout.routing import RoutedExperts
 from megatron_sao.rollout.trajectory import (
     FinishType,
     Reward,
@@ -25,12 +34,15 @@ from megatron_sao.rollout.trajectory import (
     Turn,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+_ROUTING_SHAPE_KEYS = ("routed_experts_layers", "routed_experts_topk")
 
 
-def trajectory_to_dict(traj: Trajectory) -> dict[str, Any]:
-    """A JSON-ready dict (enums as their string values)."""
-    return {
+def trajectory_to_dict(traj: Trajectory, with_routing: bool = True) -> dict[str, Any]:
+    """A JSON-ready dict (enums as their string values); `routed_experts` as lists unless
+    `with_routing` is False (the Parquet writer stores it as arrays)."""
+    out = {
         "schema_version": SCHEMA_VERSION,
         "trajectory_id": traj.trajectory_id,
         "prompt_id": traj.prompt_id,
@@ -63,12 +75,37 @@ def trajectory_to_dict(traj: Trajectory) -> dict[str, Any]:
         "num_engine_retries": traj.num_engine_retries,
         "metadata": traj.metadata,
     }
+    if with_routing:
+        out["routed_experts"] = None if traj.routed_experts is None else traj.routed_experts.to_lists()
+    return out
+
+
+def routing_from_dict(data: dict[str, Any]) -> RoutedExperts | None:
+    """`routed_experts` of a record in either layout (JSONL lists, or Parquet's flat column with
+    its shape columns); None when absent or null."""
+    value = data.get("routed_experts")
+    if value is None:
+        return None
+    if any(key in data for key in _ROUTING_SHAPE_KEYS):
+        layers, topk = (data.get(key) for key in _ROUTING_SHAPE_KEYS)
+        if not isinstance(layers, int) or not isinstance(topk, int):
+            raise ValueError(f"routed_experts needs integer routed_experts_layers / routed_experts_topk, got "
+                             f"{layers!r} / {topk!r}")
+        routed = RoutedExperts.from_flat(np.asarray(value, dtype=np.int64), layers, topk)
+    elif isinstance(value, list):
+        routed = RoutedExperts.from_lists(value)
+    else:
+        raise ValueError(f"routed_experts must be a list (one entry per token) or null, got {type(value).__name__}")
+    return routed
 
 
 def trajectory_from_dict(data: dict[str, Any]) -> Trajectory:
     version = data.get("schema_version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
-        raise ValueError(f"trajectory schema version {version} is not supported (this code reads {SCHEMA_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"trajectory schema version {version} is not supported (this code reads "
+                         f"{', '.join(map(str, READABLE_VERSIONS))})")
+    if version == 1 and data.get("routed_experts") is not None:
+        raise ValueError("a schema version 1 record cannot carry routed_experts (version 2 added them)")
     return Trajectory(
         trajectory_id=str(data["trajectory_id"]),
         prompt_id=str(data["prompt_id"]),
@@ -96,6 +133,7 @@ def trajectory_from_dict(data: dict[str, Any]) -> Trajectory:
         num_engine_calls=int(data["num_engine_calls"]),
         num_engine_retries=int(data["num_engine_retries"]),
         metadata=dict(data["metadata"]),
+        routed_experts=routing_from_dict(data),
     )
 
 
@@ -186,19 +224,44 @@ def parquet_schema():  # -> pyarrow.Schema
             ("num_engine_calls", pa.int64()),
             ("num_engine_retries", pa.int64()),
             ("metadata_json", pa.string()),
+            ("routed_experts", pa.list_(pa.int16())),
+            ("routed_experts_layers", pa.int16()),
+            ("routed_experts_topk", pa.int16()),
         ]
     )
+
+
+def _routing_columns(trajectories: list[Trajectory]):  # -> three pyarrow.Arrays
+    """The routing columns built from the int16 arrays directly (no Python lists of ints)."""
+    import pyarrow as pa
+
+    routed = [t.routed_experts for t in trajectories]
+    flats = [r.to_flat() if r is not None else np.zeros(0, dtype=np.int16) for r in routed]
+    offsets = np.zeros(len(flats) + 1, dtype=np.int32)
+    np.cumsum([f.size for f in flats], out=offsets[1:])
+    missing = np.array([r is None for r in routed], dtype=bool)
+    values = pa.array(np.concatenate(flats) if flats else np.zeros(0, dtype=np.int16), type=pa.int16())
+    column = pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(missing))
+    layers = pa.array([None if r is None else r.num_layers for r in routed], type=pa.int16())
+    topk = pa.array([None if r is None else r.topk for r in routed], type=pa.int16())
+    return column, layers, topk
 
 
 def trajectories_to_table(trajectories: Iterable[Trajectory]):  # -> pyarrow.Table
     import pyarrow as pa
 
+    trajectories = list(trajectories)
     rows = []
     for traj in trajectories:
-        row = trajectory_to_dict(traj)
+        row = trajectory_to_dict(traj, with_routing=False)
         row["metadata_json"] = json.dumps(row.pop("metadata"), ensure_ascii=False, sort_keys=True)
         rows.append(row)
-    return pa.Table.from_pylist(rows, schema=parquet_schema())
+    schema = parquet_schema()
+    plain = pa.schema([f for f in schema if not f.name.startswith("routed_experts")])
+    table = pa.Table.from_pylist(rows, schema=plain)
+    for name, column in zip(("routed_experts", *_ROUTING_SHAPE_KEYS), _routing_columns(trajectories), strict=True):
+        table = table.append_column(schema.field(name), column)
+    return table
 
 
 def table_to_trajectories(table) -> list[Trajectory]:

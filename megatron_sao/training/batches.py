@@ -25,6 +25,7 @@ Legend: b rows of one micro-batch, t its padded length.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -204,3 +205,13 @@ def shard_batch(trajectories: Sequence[Trajectory], dp_rank: int, dp_size: int, 
 def padded_tokens(micro_batches: Sequence[MicroBatch]) -> int:
     """Tokens a rank actually computes on, padding included."""
     return sum(mb["input_ids"].numel() for mb in micro_batches)
+
+
+def mini_batch_bounds(num_trajectories: int, num_mini_batches: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` of each actor mini-batch: the batch cut into `num_mini_batches` contiguous parts
+    of (nearly) equal size."""
+    if num_mini_batches > num_trajectories:
+        raise ValueError(f"actor.num_mini_batches={num_mini_batches} exceeds the batch's {num_trajectories} "
+                         "trajectories")
+    bounds = [round(i * num_trajectories / num_mini_batches) for i in range(num_mini_batches + 1)]
+    return list(itertools.pairwise(bounds))

@@ -87,6 +87,8 @@ def actor_metrics(updates: Sequence[RoleUpdate], lr: float, policy_loss: str) ->
         "actor/kl_k3": _ratio(sums["kl_k3"], tokens),
         "actor/ratio_mean": _ratio(sums["ratio"], tokens),
         "actor/action_tokens": tokens,
+        # Each mini-batch's forward, before its own update (with one mini-batch: before the update).
+        "rollout/logprob_abs_diff_mean": _ratio(sums["logprob_abs_diff"], tokens),
     }
     if policy_loss == "dis":
         out["actor/dis_masked_low_frac"] = _ratio(sums["masked_low"], tokens)

@@ -31,7 +31,8 @@ from megatron_sao.training.optim import RoleOptimizer, optimizer_step, zero_grad
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
-POLICY_SUMS = ("loss", "tokens", "masked_low", "masked_high", "entropy", "kl_k3", "ratio", "clipped")
+POLICY_SUMS = ("loss", "tokens", "masked_low", "masked_high", "entropy", "kl_k3", "ratio", "clipped",
+               "logprob_abs_diff")
 VALUE_SUMS = ("loss", "tokens", "ev_n", "ev_r", "ev_r2", "ev_res", "ev_res2", "clipped")
 SFT_SUMS = ("loss", "tokens", "entropy")
 
@@ -94,8 +95,10 @@ def policy_loss_fn(algorithm: AlgorithmConfig, temperature: float) -> LossFn:
         def total(mean: torch.Tensor) -> torch.Tensor:  # a mean back to a sum; 0 (not NaN) without tokens
             return torch.where(count > 0, mean * count, 0.0)
 
+        # |trainer - engine| log-prob of each action token, before this update (what R3 replay shrinks).
+        abs_diff = torch.where(mask_bt, (logprobs_bt.detach() - mb["rollout_logprobs"]).abs(), 0.0).sum()
         sums = _sums([loss, count, low, high, torch.where(mask_bt, entropy_bt, 0.0).sum(), total(stats["kl_k3"]),
-                      total(stats["ratio_mean"]), clipped], loss.device)
+                      total(stats["ratio_mean"]), clipped, abs_diff], loss.device)
         return loss, mask_bt.sum().to(torch.int), {"sums": sums}
 
     return loss_fn
@@ -162,14 +165,15 @@ def guarded_update(role: RoleOptimizer, micro_batches: list[MicroBatch], loss_fn
 
 
 def forward_only(role: RoleOptimizer, micro_batches: list[MicroBatch],
-                 output_fn: Callable[[torch.Tensor, MicroBatch], Any]) -> list[Any]:
+                 output_fn: Callable[[torch.Tensor, MicroBatch], Any],
+                 forward_fn: Callable[..., Any] = model_forward) -> list[Any]:
     """`output_fn(output, micro_batch)` per micro-batch on the last pipeline stage (empty elsewhere),
     in eval mode and without autograd."""
     for chunk in role.chunks:
         chunk.eval()
     try:
         with torch.no_grad():
-            return run_forward_backward(role.chunks, micro_batches, model_forward, forward_only=True,
+            return run_forward_backward(role.chunks, micro_batches, forward_fn, forward_only=True,
                                         output_fn=output_fn)
     finally:
         for chunk in role.chunks:

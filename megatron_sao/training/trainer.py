@@ -10,7 +10,10 @@ configured TP / PP / EP / DP layout, their optimizers and LR schedules. One `tra
      (K) updates on the value loss over the same batch;
   3. actor, after `critic.warmup_steps` steps (from the start when there is no critic): log-probs
      of the trajectories' tokens -> DIS against the rollout log-probs (or PPO clip) -> one optimizer
-     update per mini-batch (`actor.num_mini_batches`, default 1).
+     update per mini-batch (`actor.num_mini_batches`, default 1). With routing replay
+     (`actor.routing_replay`, R3) the actor's forwards route every token to the experts the engine
+     chose (training/routing_replay.py); rank 0 sends each rank only its part of the batch's
+     routing (training/routing_shards.py). The critic routes itself.
 A non-finite loss or gradient skips the update on every rank and ends the step there (nothing
 downstream trains on NaN advantages); the step is counted in `train/skipped_steps`, and
 `run.max_consecutive_skipped_steps` in a row abort the run.
@@ -22,7 +25,6 @@ LR schedules count each role's own optimizer steps: the critic's K per train ste
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import time
@@ -36,9 +38,17 @@ from megatron_sao.config.schema import SaoConfig
 from megatron_sao.config.validate import sequence_parallel_enabled
 from megatron_sao.rollout.trajectory import Trajectory
 from megatron_sao.training import advantages as adv
-from megatron_sao.training.batches import MicroBatch, PackingConfig, RankBatch, padded_tokens, shard_batch
+from megatron_sao.training.batches import (
+    MicroBatch,
+    PackingConfig,
+    RankBatch,
+    mini_batch_bounds,
+    padded_tokens,
+    shard_batch,
+)
 from megatron_sao.training.moe_load import RouterLoadTracker
 from megatron_sao.training.optim import RoleOptimizer, build_optimizer, ddp_config_for
+from megatron_sao.training.routing_replay import moe_layer_pattern
 from megatron_sao.training.step_metrics import actor_metrics, batch_metrics, critic_metrics, sft_metrics
 from megatron_sao.training.steps import (
     POLICY_SUMS,
@@ -47,6 +57,7 @@ from megatron_sao.training.steps import (
     all_ranks_agree,
     forward_only,
     guarded_update,
+    model_forward,
     policy_loss_fn,
     reduce_sums,
     sft_loss_fn,
@@ -115,6 +126,7 @@ class SaoTrainer:
                        if self.has_critic else None)
         self.baseline = adv.make_baseline(alg) if mode == "rl" else None
         self.router_load = RouterLoadTracker(self.actor.chunks) if self.actor is not None else None
+        self.replayer, self._routing_needs = self._build_replay()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -123,15 +135,29 @@ class SaoTrainer:
 
     def _build_role(self, role: str, total_optimizer_steps: int) -> RoleOptimizer:
         from megatron_sao.models import build_model
+        from megatron_sao.rollout.settings import routing_replay_enabled
 
         role_cfg = getattr(self.config, role)
-        built = build_model(self.config, role, wrap_with_ddp=True, ddp_config=ddp_config_for(role_cfg.optim))
+        # RL only (SFT data has no engine routing); the critic routes itself.
+        replay = role == "actor" and self.mode == "rl" and routing_replay_enabled(self.config)
+        built = build_model(self.config, role, wrap_with_ddp=True, ddp_config=ddp_config_for(role_cfg.optim),
+                            routing_replay=replay)
         if role_cfg.load:
             from megatron_sao.training.checkpoint import load_model_weights
 
             loaded = load_model_weights(Path(role_cfg.load), role, built.chunks)
             logger.info("%s weights loaded from %s", role, loaded)
         return build_optimizer(built.chunks, role_cfg.optim, total_steps=total_optimizer_steps)
+
+    def _build_replay(self) -> tuple[Any, list[Any]]:
+        """Collective: the actor's replay of engine routing, and what routing every rank needs."""
+        if self.actor is None or not self.actor.chunks[0].config.moe_enable_routing_replay:
+            return None, []
+        from megatron_sao.training.routing_replay import RoutingReplayer
+        from megatron_sao.training.routing_shards import gather_needs, local_need
+
+        replayer = RoutingReplayer(self.actor.chunks)
+        return replayer, gather_needs(local_need(replayer.layers, sequence_parallel_enabled(self.config)))
 
     @property
     def roles(self) -> dict[str, RoleOptimizer]:
@@ -164,7 +190,7 @@ class SaoTrainer:
         t_actor = time.perf_counter()
         actor_trains = self.actor is not None and (self.mode == "sft" or self.state.step >= self.warmup_steps)
         if not skipped and actor_trains:
-            skipped = self._actor_phase(actor_batches, actor_adv_rows, trajectory_adv_b, metrics)
+            skipped = self._actor_phase(trajectories, actor_batches, actor_adv_rows, trajectory_adv_b, metrics)
         metrics["time/actor_s"] = time.perf_counter() - t_actor
 
         self._finish_step(trajectories, skipped, metrics)
@@ -177,14 +203,20 @@ class SaoTrainer:
 
     def _actor_mini_batches(self, trajectories: list[Trajectory]) -> list[tuple[RankBatch, list[int]]]:
         """Per mini-batch: this rank's share and the mini-batch's indices into the global batch."""
-        num = self.config.actor.num_mini_batches
-        if num > len(trajectories):
-            raise ValueError(f"actor.num_mini_batches={num} exceeds the batch's {len(trajectories)} trajectories")
-        bounds = [round(i * len(trajectories) / num) for i in range(num + 1)]
-        out = []
-        for lo, hi in itertools.pairwise(bounds):
-            out.append((self._shard(trajectories[lo:hi], "actor"), list(range(lo, hi))))
-        return out
+        return [(self._shard(trajectories[lo:hi], "actor"), list(range(lo, hi)))
+                for lo, hi in mini_batch_bounds(len(trajectories), self.config.actor.num_mini_batches)]
+
+    def _replay_routing(self, trajectories: list[Trajectory], mini_batches: list[tuple[RankBatch, list[int]]]
+                        ) -> dict[str, float]:
+        """Collective: this rank's part of rank 0's routing onto its actor micro-batches."""
+        from megatron_sao.training.routing_shards import attach, scatter_parts
+
+        config = self.actor.chunks[0].config
+        part = scatter_parts(trajectories if torch.distributed.get_rank() == 0 else None, self._routing_needs,
+                             self.config.actor.num_mini_batches, self.dp_size, _packing(self.config, "actor"),
+                             num_moe_layers=sum(moe_layer_pattern(config)), topk=config.moe_router_topk)
+        attach([mb for batch, _ in mini_batches for mb in batch.micro_batches], part["micro_batches"])
+        return part["metrics"]
 
     def _critic_phase(self, batch: RankBatch, metrics: dict[str, float]) -> tuple[bool, dict[int, torch.Tensor]]:
         """Values -> advantages and targets -> K critic updates. Returns (skipped, advantage rows
@@ -224,12 +256,15 @@ class SaoTrainer:
         metrics.update(critic_metrics(phase, updates, lr, self.state.critic_optimizer_steps))
         return not updates[-1].applied, rows
 
-    def _actor_phase(self, mini_batches: list[tuple[RankBatch, list[int]]], adv_rows: dict[int, torch.Tensor],
-                     trajectory_adv_b: torch.Tensor | None, metrics: dict[str, float]) -> bool:
+    def _actor_phase(self, trajectories: list[Trajectory], mini_batches: list[tuple[RankBatch, list[int]]],
+                     adv_rows: dict[int, torch.Tensor], trajectory_adv_b: torch.Tensor | None,
+                     metrics: dict[str, float]) -> bool:
         """One guarded update per mini-batch; returns whether the step was skipped."""
         alg, actor_cfg = self.config.algorithm, self.config.actor
         temperature = self.config.rollout.temperature
         lr = _lr(self.actor)
+        if self.replayer is not None:
+            metrics.update(self._replay_routing(trajectories, mini_batches))
         for batch, indices in mini_batches:
             for k, mb in enumerate(batch.micro_batches):
                 global_rows = [indices[i] for i in batch.trajectory_indices[k]]
@@ -241,14 +276,19 @@ class SaoTrainer:
         names = POLICY_SUMS if self.mode == "rl" else SFT_SUMS
         updates = []
         for batch, _ in mini_batches:
-            tracked = _tracked_forward(self.router_load)
-            update = guarded_update(self.actor, batch.micro_batches, loss_fn, names,
-                                    actor_cfg.optim.use_distributed_optimizer, forward_fn=tracked)
+            forward = self._replayed(_tracked_forward(self.router_load), count_agreement=True)
+            try:
+                update = guarded_update(self.actor, batch.micro_batches, loss_fn, names,
+                                        actor_cfg.optim.use_distributed_optimizer, forward_fn=forward)
+            finally:
+                self._release_replay()
             updates.append(update)
             if not update.applied:
                 break
             self.state.actor_optimizer_steps += 1
         load = self.router_load.collect()
+        if self.replayer is not None:
+            load.update(self.replayer.collect_agreement())
         if not updates[-1].applied:
             return True
         summary = actor_metrics if self.mode == "rl" else sft_metrics
@@ -265,10 +305,22 @@ class SaoTrainer:
                     mb["old_logprobs"] = mb["rollout_logprobs"]
             return
         for batch in batches:
-            logprobs = forward_only(self.actor, batch.micro_batches,
-                                    lambda out, mb: token_logprobs_and_entropy(out, mb["labels"], temperature)[0])
+            try:
+                logprobs = forward_only(self.actor, batch.micro_batches,
+                                        lambda out, mb: token_logprobs_and_entropy(out, mb["labels"], temperature)[0],
+                                        forward_fn=self._replayed(model_forward))
+            finally:
+                self._release_replay()
             for mb, logprobs_bt in zip(batch.micro_batches, logprobs, strict=False):
                 mb["old_logprobs"] = logprobs_bt
+
+    def _replayed(self, forward_fn: Any, count_agreement: bool = False) -> Any:
+        """`forward_fn` replaying each micro-batch's engine routing (as is without replay)."""
+        return forward_fn if self.replayer is None else self.replayer.wrap(forward_fn, count_agreement)
+
+    def _release_replay(self) -> None:
+        if self.replayer is not None:
+            self.replayer.release()
 
     def _finish_step(self, trajectories: list[Trajectory], skipped: bool, metrics: dict[str, float]) -> None:
         state = self.state
@@ -363,8 +415,6 @@ def _advantages_for(mb: MicroBatch, global_rows: list[int], adv_rows: dict[int, 
 
 
 def _tracked_forward(tracker: RouterLoadTracker):
-    from megatron_sao.training.steps import model_forward
-
     def forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         with tracker.tracking(mb["token_mask"]):
             return model_forward(model, mb)

@@ -165,13 +165,15 @@ async def _run(config: SaoConfig, plans: list[ShardPlan], manifest: Manifest, co
     received = dict.fromkeys(expected, 0)
     written = 0
     progress = _Progress(sum(expected.values()), len(plans))
-    engine_config = dataclasses.replace(engine_config_from(config), log_dir=str(corpus_dir / "engine_logs"))
+    # The critic routes itself: value-pretraining rollouts need no routed experts.
+    engine_config = dataclasses.replace(engine_config_from(config, routing=False),
+                                        log_dir=str(corpus_dir / "engine_logs"))
     try:
         with EngineSupervisor(engine_config) as supervisor:
             supervisor.start_monitor()
             pool = EnginePool([EngineClient(url) for url in supervisor.urls], config.rollout.max_inflight_per_engine)
-            loop = AgentLoop(agent_loop_config_from(config), AutoTokenizer.from_pretrained(config.model.hf_path), pool,
-                             _env_factory(config))
+            loop = AgentLoop(agent_loop_config_from(config, routing=False),
+                             AutoTokenizer.from_pretrained(config.model.hf_path), pool, _env_factory(config))
             watcher = asyncio.create_task(_abort_on(stop, loop))
             async for traj in loop.iter_trajectories(_feed(plans, vp.samples_per_prompt)):
                 name = traj.metadata[_SHARD_KEY]

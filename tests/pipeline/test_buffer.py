@@ -8,9 +8,11 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from megatron_sao.pipeline.buffer import GROUP_ID_KEY, ReadyBuffer
+from megatron_sao.rollout.routing import RoutedExperts
 from megatron_sao.rollout.trajectory import FinishType, RewardKind, Trajectory, TrajectoryStatus
 from megatron_sao.rollout.trajectory_io import trajectory_to_dict
 
@@ -247,13 +249,16 @@ def test_concurrent_producers_lose_and_duplicate_nothing() -> None:
 def test_state_round_trip_keeps_contents_order_groups_counts_and_wait_times() -> None:
     clock = FakeClock()
     buffer = ReadyBuffer(group_size=2, max_staleness=3, clock=clock)
-    buffer.put(_traj("p0", [0, 1], name="a0"))
+    routed = _traj("p0", [0, 1], name="a0")
+    routed.routed_experts = RoutedExperts(np.array([[[0, 1]], [[2, 3]], [[1, 0]], [[3, 1]], [[-1, -1]]]))
+    buffer.put(routed)
     buffer.put(_traj("p0", [1], name="a1"))  # released group
     clock.now = 1.0
     buffer.put(_traj("p1", status=TrajectoryStatus.FAILED))
     buffer.put(_traj("p2", [1], name="c0"))  # open group
     clock.now = 4.0
     state = json.loads(json.dumps(buffer.state_dict()))  # what a checkpoint writes
+    assert "routed_experts_packed" in json.dumps(state)  # routing packed, not per-token lists
 
     clock2 = FakeClock()
     clock2.now = 100.0

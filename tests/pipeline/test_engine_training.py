@@ -42,3 +42,24 @@ def test_engine_rollout_trains_and_syncs_weights(tmp_path, tiny_hf_dir):
     assert [r["train/actor_version"] for r in rows] == [0, 1, 2]  # step 1 is critic warmup
     assert rows[-1]["rollout/weight_version"] == 2
     assert "actor/loss" in rows[-1] and "critic/explained_variance" in rows[-1]
+    # R3 is on by default for an MoE model rolled out by engines: the engine returned every token's
+    # routing (the last of each trajectory is never fed to it and does not count). The first actor
+    # update trains version 0 on version-0 rollouts: its own fp32 routers agree with the fp32
+    # engine's (later ones differ where the rollout is stale).
+    for r in rows[1:]:
+        assert r["moe/replay_missing_frac"] == 0.0 and r["moe/replay_rank_mb_max"] > 0
+    assert rows[1]["moe/routing_agreement"] >= 0.99 and rows[1]["rollout/logprob_abs_diff_mean"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_ranks_get_their_part_of_the_engines_routing(tmp_path, tiny_hf_dir):
+    """EP2 on 2 ranks: rank 0 takes the batch, broadcasts it without routing and sends each rank
+    the routing of its own micro-batches; the step replays it (the first update agrees exactly)."""
+    code, result, run_dir = run_train(_engine_config(tmp_path, tiny_hf_dir, "engine_ep2", "run.total_steps=2",
+                                                     "launcher.nproc_per_node=2", "parallelism.expert=2"))
+    assert code == 0 and result["step"] == 2
+    last = _rows(run_dir)[-1]
+    assert last["moe/replay_missing_frac"] == 0.0 and last["moe/routing_agreement"] >= 0.99
+    assert last["moe/replay_rank_mb_max"] < last["moe/replay_batch_mb"]  # each rank: its half of the batch
+    assert last["rollout/logprob_abs_diff_mean"] < 1e-4

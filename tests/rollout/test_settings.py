@@ -45,3 +45,30 @@ def test_environment_options_are_derived_once():
     calc = load_config(TINY, ["rollout.environment_kwargs={max_turns: 3}"])
     assert environment_kwargs_from(calc) == {"max_turns": 3}
     assert callable(env_factory_from(load_config(TINY)))
+
+
+def test_routing_replay_defaults(tmp_path, tiny_hf_dir):
+    """actor.routing_replay: null is on for an MoE model rolled out by engines (which then return
+    routing), on for a recorded file whose records carry routing, off otherwise."""
+    from megatron_sao.rollout.settings import routing_replay_enabled
+    from megatron_sao.rollout.trajectory_io import write_jsonl, write_parquet
+    from tests.training.trajectories import random_trajectories, with_random_routing
+
+    def cfg(*overrides):
+        return load_config(TINY, [f"model.hf_path={tiny_hf_dir}", *overrides])
+
+    engine = cfg("rollout.source=engine")
+    assert routing_replay_enabled(engine)
+    assert engine_config_from(engine).return_routed_experts
+    assert agent_loop_config_from(engine).routing.moe_layers == (0, 1)
+    assert not engine_config_from(engine, routing=False).return_routed_experts  # evaluation, value pretraining
+    assert agent_loop_config_from(engine, routing=False).routing is None
+    assert not routing_replay_enabled(cfg("rollout.source=engine", "actor.routing_replay=false"))
+    plain = random_trajectories(2, seed=0)
+    for suffix, write in ((".parquet", write_parquet), (".jsonl", write_jsonl)):
+        without, with_routing = tmp_path / f"plain{suffix}", tmp_path / f"routed{suffix}"
+        write(without, plain)
+        write(with_routing, with_random_routing(plain))
+        assert not routing_replay_enabled(cfg("rollout.source=recorded", f"data.trajectories_path={without}"))
+        assert routing_replay_enabled(cfg("rollout.source=recorded", f"data.trajectories_path={with_routing}"))
+    assert not engine_config_from(cfg("rollout.source=recorded")).return_routed_experts

@@ -37,6 +37,15 @@ def full_records(draw) -> Trajectory:
     traj.timings.generate_s = draw(st.floats(0, 1e4))
     traj.num_engine_calls = draw(st.integers(0, 100))
     traj.num_engine_retries = draw(st.integers(0, 10))
+    if draw(st.booleans()) and len(traj):  # schema version 2: routed experts, some tokens not routed
+        import numpy as np
+
+        from megatron_sao.rollout.routing import NOT_ROUTED, RoutedExperts
+
+        rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+        indices = np.argsort(rng.random((len(traj), draw(st.integers(1, 3)), 6)), axis=2)[:, :, :2]
+        indices[rng.random(len(traj)) < 0.3] = NOT_ROUTED
+        traj.routed_experts = RoutedExperts(indices)
     return traj
 
 

@@ -163,3 +163,4 @@ def critic_only_steps(hf_dir: str) -> dict[str, Any]:
     trajectories = random_trajectories(6, seed=17)
     history = [trainer.train_step(trajectories) for _ in range(4)]
     return {"history": history, "roles": sorted(trainer.roles), "has_actor": trainer.actor is not None}
+

@@ -42,3 +42,31 @@ def random_trajectories(num: int, seed: int = 0, vocab: int = 256, lengths: tupl
         traj.validate()
         out.append(traj)
     return out
+
+
+def with_random_routing(trajectories: list[Trajectory], seed: int = 0, num_layers: int = 2, topk: int = 2,
+                        num_experts: int = 4, unrouted_every: int = 0) -> list[Trajectory]:
+    """Copies of `trajectories` carrying random (valid) `routed_experts`: distinct experts per token
+    and layer; the last token is never routed (as from an engine) and, with `unrouted_every`,
+    neither is every `unrouted_every`-th token nor the `unrouted_every`-th trajectory."""
+    import copy
+
+    import numpy as np
+
+    from megatron_sao.rollout.routing import NOT_ROUTED, RoutedExperts
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, traj in enumerate(trajectories):
+        traj = copy.deepcopy(traj)
+        n = len(traj)
+        scores = rng.random((n, num_layers, num_experts))
+        indices = np.argsort(scores, axis=2)[:, :, :topk]
+        indices[-1] = NOT_ROUTED
+        if unrouted_every:
+            indices[::unrouted_every] = NOT_ROUTED
+        traj.routed_experts = None if unrouted_every and i % unrouted_every == unrouted_every - 1 else \
+            RoutedExperts(indices)
+        traj.validate()
+        out.append(traj)
+    return out

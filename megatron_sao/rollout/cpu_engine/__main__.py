@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="streamed chunks carry only what is new (SGLang's flag of the same name)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="record routed experts for requests that set return_routed_experts (SGLang's flag)")
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--log-file", default=None, help="where third-party output goes (see above)")
     parser.add_argument("-v", "--verbose", action="store_true", help="keep all output on the terminal")
@@ -66,6 +68,7 @@ def _config(args: argparse.Namespace) -> CPUEngineConfig:
         return_original_logprob=args.return_original_logprob,
         max_request_bytes=int(args.max_request_mb * 1024 * 1024),
         incremental_streaming_output=args.incremental_streaming_output,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
 
 

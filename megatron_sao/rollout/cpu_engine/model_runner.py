@@ -3,7 +3,9 @@
 Prefill left-pads a group of new sequences to a common length and returns the logits of each
 row's last position; decode feeds one pending token per row. Both use `RowKVCache`, with
 `position_ids` counted from each row's first real token, so a row's numbers do not depend on the
-padding its batch-mates impose (up to floating-point reassociation).
+padding its batch-mates impose (up to floating-point reassociation). With `capture_routing`
+(`--enable-return-routed-experts`) every forward also leaves the experts each MoE layer chose for
+every column in `last_routing` (routing_capture.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
+from megatron_sao.rollout.cpu_engine.routing_capture import RoutingCapture
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +34,8 @@ def parse_dtype(name: str) -> torch.dtype:
 class ModelRunner:
     """Owns the model and tokenizer. Not thread-safe: only the scheduler thread calls it."""
 
-    def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32,
+                 capture_routing: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.model_path = str(model_path)
@@ -56,6 +60,18 @@ class ModelRunner:
         # Longest vocabulary entry in characters (byte-level BPE entries have one character per byte,
         # so this bounds the characters any one token can stand for): sizes the text-prompt limit.
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
+        self.routing = RoutingCapture(self.model) if capture_routing else None
+        self.last_routing: torch.Tensor | None = None
+        """`[B, S, num_layers, k]` int32 experts of the last forward's columns (with capture_routing)."""
+
+    def _forward(self, batch: int, seq: int, **inputs):
+        """The model's forward, recording its routing when the engine captures it."""
+        if self.routing is None:
+            return self.model(**inputs)
+        with self.routing.recording(batch, seq) as routing_bslk:
+            out = self.model(**inputs)
+        self.last_routing = routing_bslk
+        return out
 
     def prefill(self, sequences: Sequence[list[int]]) -> tuple[RowKVCache, torch.Tensor]:
         """Run `sequences` (token lists, >= 1 token each) through the model.
@@ -82,7 +98,8 @@ class ModelRunner:
         position_ids = (new_columns.cumsum(dim=1) - 1).clamp(min=0)
         cache = RowKVCache(self.num_layers, b)
         attention_mask = cache.mask_with_new_columns(new_columns)
-        out = self.model(
+        out = self._forward(
+            b, P,
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -96,7 +113,8 @@ class ModelRunner:
     def decode(self, cache: RowKVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One step: feed `tokens` [B] at `positions` [B]; returns float32 logits [B, V]."""
         attention_mask = cache.mask_with_new_columns(torch.ones((tokens.shape[0], 1), dtype=torch.long))
-        out = self.model(
+        out = self._forward(
+            tokens.shape[0], 1,
             input_ids=tokens.unsqueeze(1),
             attention_mask=attention_mask,
             position_ids=positions.unsqueeze(1),

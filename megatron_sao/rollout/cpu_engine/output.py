@@ -4,7 +4,9 @@ The same builder serves the final answer and every streamed chunk (streaming.py)
 the first `num_output` tokens (what the scheduler has fully recorded, `EngineRequest.progress`),
 with SGLang's cumulative (non-incremental) text, ids and log-probs. `meta_info` carries SGLang
 0.5.23's keys, plus `weight_versions` spans (current SGLang main): which weight version produced
-which output tokens.
+which output tokens. A finished request that asked for `return_routed_experts` (engine started with
+`--enable-return-routed-experts`) gets `meta_info["routed_experts"]` as SGLang sends it: positions
+`[routed_experts_start_len, seqlen - 1)`, base64 int32 (routing_capture.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from megatron_sao.rollout.cpu_engine.logprobs import meta_entries
 from megatron_sao.rollout.cpu_engine.request import EngineRequest
 from megatron_sao.rollout.cpu_engine.stops import output_text, partial_text
+from megatron_sao.rollout.routing import encode_sglang_routed_experts
 
 
 def build_output(req: EngineRequest, tokenizer, current_version: str, num_output: int | None = None,
@@ -40,6 +43,9 @@ def build_output(req: EngineRequest, tokenizer, current_version: str, num_output
     })
     if finished:
         meta["e2e_latency"] = req.finished_at - req.created_at
+        routed = _routed_experts(req)
+        if routed is not None:
+            meta["routed_experts"] = routed
     if finished:
         text = output_text(ids, req.finish_reason, req.sampling, tokenizer)
     else:
@@ -48,6 +54,16 @@ def build_output(req: EngineRequest, tokenizer, current_version: str, num_output
     if req.return_prompt_token_ids:
         out["prompt_token_ids"] = list(req.input_ids)
     return out
+
+
+def _routed_experts(req: EngineRequest) -> str | None:
+    """SGLang's `meta_info["routed_experts"]` (None when not asked, not captured, or never prefilled:
+    SGLang then sends no key either)."""
+    if req.routing is None or req.routed_experts_start_len is None:
+        return None
+    end = len(req.input_ids) + len(req.output_ids) - 1
+    rows = req.routing.rows(min(req.routed_experts_start_len, max(end, 0)), end)
+    return None if rows is None else encode_sglang_routed_experts(rows)
 
 
 def _spans(req: EngineRequest, current_version: str, num: int) -> list[dict[str, Any]]:

@@ -168,6 +168,26 @@ def _logprob_state(body: dict[str, Any], num: int, is_batch: bool, n: int, promp
     return states
 
 
+def _routed_experts_start(body: dict[str, Any], prompts: list[list[int]]) -> int | None:
+    """`routed_experts_start_len` when `return_routed_experts` is set (one value for every prompt,
+    as in SGLang's `GenerateReqInput`), else None. SGLang aborts a request whose start is negative
+    or beyond its prompt, with these messages (`managers/scheduler.py`); here that is a 400."""
+    start = body.get("routed_experts_start_len")
+    if start is not None and not _is_int(start):
+        raise ValueError(f"routed_experts_start_len must be an integer, got {_short(start)}")
+    if not _bool(body.get("return_routed_experts"), "return_routed_experts"):
+        return None
+    start = start or 0
+    if start < 0:
+        raise ValueError(f"routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                         "routed_experts_start_len.")
+    shortest = min(len(p) for p in prompts)
+    if start > shortest:
+        raise ValueError(f"routed_experts_start_len={start} is higher than the number of input tokens "
+                         f"({shortest}). Please use a smaller routed_experts_start_len.")
+    return start
+
+
 def _int_at_least(low: int):
     def check(value: Any, name: str) -> int | None:
         if value is None:
@@ -225,6 +245,7 @@ def parse_generate(body: Any, tokenizer, limits: PromptLimits) -> ParsedGenerate
                              f"[0, {limits.vocab_size}), got {bad[:5]}")
     rids = _rids(body, num, is_batch)
     logprobs = _logprob_state(body, num, is_batch, n, prompts, limits)
+    routed_start = _routed_experts_start(body, prompts)
     requests = []
     for i, ids in enumerate(prompts):
         config = configs[i]
@@ -244,6 +265,7 @@ def parse_generate(body: Any, tokenizer, limits: PromptLimits) -> ParsedGenerate
                 return_text_in_logprobs=with_text,
                 logprobs=None if state is None else LogprobState(state.start, state.top_n, state.token_ids),
                 return_prompt_token_ids=with_prompt_ids,
+                routed_experts_start_len=routed_start,
                 generator=generator,
                 stop_window=window,
             ))

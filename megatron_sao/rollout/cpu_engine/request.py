@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from megatron_sao.rollout.cpu_engine.logprobs import LogprobState
+from megatron_sao.rollout.cpu_engine.routing_capture import RoutingRecord
 from megatron_sao.rollout.cpu_engine.sampling_params import SamplingConfig
 
 
@@ -24,6 +25,8 @@ class EngineRequest:
     return_text_in_logprobs: bool = False
     logprobs: LogprobState | None = None  # set with return_logprob: prompt / top-k / token-id entries
     return_prompt_token_ids: bool = False
+    routed_experts_start_len: int | None = None  # set with return_routed_experts: first position returned
+    routing: RoutingRecord | None = None  # per-position routing, when the engine captures it and it was asked
     generator: torch.Generator | None = None  # set when the request carries a sampling_seed
     stop_window: int = 0  # tokens to decode when looking for a stop string
     failures: int = 0  # failed decode steps this request was in (scheduler._retract_after_failure)

@@ -29,8 +29,9 @@ from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
 from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.cpu_engine.occupation import EngineFatal, MemoryOccupation
 from megatron_sao.rollout.cpu_engine.request import EngineRequest, abort_reason
+from megatron_sao.rollout.cpu_engine.routing_capture import RoutingRecord
 from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams
-from megatron_sao.rollout.cpu_engine.steps import needs_prefill, prefill, sample
+from megatron_sao.rollout.cpu_engine.steps import needs_prefill, prefill, record_routing, sample
 from megatron_sao.rollout.cpu_engine.stops import finish_reason
 from megatron_sao.rollout.cpu_engine.weights import HFWeightMap
 
@@ -125,6 +126,9 @@ class Scheduler:
         if not needs_prefill(request):
             request.finish({"type": "length", "length": 0})
             return
+        capture = self.runner.routing
+        if request.routed_experts_start_len is not None and capture is not None and request.routing is None:
+            request.routing = RoutingRecord(capture.num_layers, capture.topk)
         self._rids.add(request.rid)
         self._waiting.append(request)
 
@@ -361,6 +365,8 @@ class Scheduler:
     def _decode_step(self) -> None:
         assert self._cache is not None
         logits = self.runner.decode(self._cache, self._pending, self._positions)
+        if self.runner.routing is not None:
+            record_routing(self.runner, self._running, self._positions.tolist(), [1] * len(self._running))
         self._positions = self._positions + 1
         if self._params is None:
             self._params = BatchSamplingParams.build([r.sampling for r in self._running])

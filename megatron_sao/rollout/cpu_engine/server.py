@@ -80,6 +80,9 @@ class CPUEngineConfig:
     incremental_streaming_output: bool = False
     """Streamed chunks carry only what is new (SGLang's --incremental-streaming-output); the default
     is SGLang's default, cumulative chunks (streaming.py)."""
+    enable_return_routed_experts: bool = False
+    """Record every token's routed experts so that requests with `return_routed_experts` get them
+    (SGLang's --enable-return-routed-experts; without it, as in SGLang, such requests get none)."""
 
 
 class CPUEngine:
@@ -89,7 +92,8 @@ class CPUEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.runner = ModelRunner(config.model_path, parse_dtype(config.dtype))
+        self.runner = ModelRunner(config.model_path, parse_dtype(config.dtype),
+                                  capture_routing=config.enable_return_routed_experts)
         self.scheduler = Scheduler(
             self.runner,
             max_running_requests=config.max_running_requests,

@@ -33,7 +33,21 @@ def prefill(runner: ModelRunner, group: Sequence[EngineRequest]) -> tuple[RowKVC
     for req, rows in zip(group, all_logits, strict=True):
         if req.logprobs is not None and req.logprobs.wants_prompt(req.input_ids):
             req.logprobs.record_prompt(req.input_ids, rows)
+    record_routing(runner, group, [0] * len(group), [len(s) for s in sequences])
     return cache, logits
+
+
+def record_routing(runner: ModelRunner, requests: Sequence[EngineRequest], starts: Sequence[int],
+                   lengths: Sequence[int]) -> None:
+    """Keep the last forward's routing of each request that asked for it: row i computed positions
+    `[starts[i], starts[i] + lengths[i])` in its last `lengths[i]` columns (rows are left-padded)."""
+    routing_bslk = runner.last_routing
+    if routing_bslk is None:
+        return
+    width = routing_bslk.shape[1]
+    for i, req in enumerate(requests):
+        if req.routing is not None:
+            req.routing.record(starts[i], routing_bslk[i, width - lengths[i]:].numpy())
 
 
 def sample(logits: torch.Tensor, params: BatchSamplingParams, requests: Sequence[EngineRequest],
@@ -54,8 +68,9 @@ def sample(logits: torch.Tensor, params: BatchSamplingParams, requests: Sequence
 
 
 def needs_prefill(req: EngineRequest) -> bool:
-    """Whether a request must be prefilled: it generates, or it wants prompt log-probs."""
-    return req.max_new_tokens > 0 or (req.logprobs is not None and req.logprobs.wants_prompt(req.input_ids))
+    """Whether a request must be prefilled: it generates, or it wants prompt log-probs or routing."""
+    return (req.max_new_tokens > 0 or (req.logprobs is not None and req.logprobs.wants_prompt(req.input_ids))
+            or req.routed_experts_start_len is not None)
 
 
 def _prompt_positions(req: EngineRequest) -> int:

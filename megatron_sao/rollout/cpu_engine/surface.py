@@ -18,6 +18,7 @@ from megatron_sao.rollout.cpu_engine.sampling_params import is_default
 HONOURED = frozenset({
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
     "token_ids_logprob", "return_text_in_logprobs", "stream", "return_prompt_token_ids",
+    "return_routed_experts", "routed_experts_start_len",
 })
 
 _STR, _INT, _BOOL, _OBJ, _NUM = (str,), (int,), (bool,), (dict,), (int, float)
@@ -46,7 +47,7 @@ DEFAULT_ONLY: dict[str, Any] = {
     "watermark": None,
     "return_sampling_mask": False, "sampling_logprobs_mode": None, "return_flat_raw_top_logprobs": False,
     "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
-    "return_hidden_states": False, "return_routed_experts": False, "routed_experts_start_len": 0,
+    "return_hidden_states": False,
     "return_indexer_topk": False, "return_entropy": False, "return_bytes": False,
     "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
     "positional_embed_overrides": None,
