@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_sao.platform.spawn import RankFailed, configure_rank_process
+from megatron_sao.utils import lifetime
 
 
 def connect_ray(address: str = "", min_cpus: float = 0.0) -> bool:
@@ -36,6 +37,11 @@ def connect_ray(address: str = "", min_cpus: float = 0.0) -> bool:
 
     if ray.is_initialized():
         return False
+    lifetime.run_id()  # Ray's processes inherit the run's tag
+    # A local instance dies with this process: Ray starts GCS and raylet with PR_SET_PDEATHSIG
+    # (ray/_private/services.py start_ray_process -> utils.set_kill_on_parent_death_linux, as
+    # node.py's kernel_fate_share) and its workers exit when the raylet is gone. PDEATHSIG follows
+    # the calling thread: the drivers call this from their main thread.
     quiet = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
     if address:
         ray.init(address=address, **quiet)
@@ -60,6 +66,7 @@ class _RankWorker:
         return os.getpid()
 
     def run(self, env: dict[str, str], threads: int, fn: Callable[..., Any], args: tuple) -> Any:
+        lifetime.lead_process_group()  # what the rank starts ends with it, even if its worker is killed
         os.environ.update(env)
         rank = int(env["RANK"])
         configure_rank_process(rank, threads)

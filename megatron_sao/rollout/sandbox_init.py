@@ -318,6 +318,12 @@ def _reap_leftovers(init: int, uid: int | None) -> None:
 
 
 def main() -> None:
+    # The caller ending (killed, or its run torn down) is a stop request, answered below as the
+    # caller's SIGTERM is. PDEATHSIG follows the thread that started us: it waits for us in
+    # run_python, so here it is exact.
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if len(sys.argv) > 1 and os.getppid() != int(sys.argv[1]):
+        return  # the caller died before the line above took effect
     spec = json.loads(sys.stdin.buffer.read())
     os.umask(0o022)
     missing: dict[str, str] = {}
