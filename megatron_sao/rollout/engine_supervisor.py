@@ -8,7 +8,8 @@ the `EnginePool` stops routing to a dead engine and re-sends its in-flight calls
 routes to it again once it answers. A restarted engine starts from `model_path` at
 `weight_version`; `set_weights()` moves both forward as the pipeline publishes checkpoints (an
 engine refit from tensors or a process group needs the pipeline's `on_restart` callback to push
-the current weights again).
+the current weights again). Engines end with the process that started them, however it ends
+(utils/lifetime.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ so nothing from the project or the user's environment is imported while we still
 and writes one JSON spec to its stdin. Three processes follow:
 
     S  supervisor   unshares the network / mount / PID namespaces, enforces the wall clock
-                    (SIGALRM), answers SIGTERM from the parent, sweeps leftovers when there is
+                    (SIGALRM), answers SIGTERM from the parent (and, through PDEATHSIG, the
+                    parent's death), sweeps leftovers when there is
                     no PID namespace, reports JSON status lines on stderr.
     I  init         first process of the new PID namespace (PID 1): mounts a fresh /proc, masks
                     home directories, makes every mount read-only, mounts the private tmpfs

@@ -238,7 +238,8 @@ def _exit_like(returncode: int) -> int:
     """The keeper's exit status: the program's code, or death by the same signal."""
     if returncode >= 0:
         return returncode
-    signal.signal(-returncode, signal.SIG_DFL)
+    if -returncode not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+        signal.signal(-returncode, signal.SIG_DFL)
     os.kill(os.getpid(), -returncode)
     return 128 - returncode
 
