@@ -8,8 +8,8 @@ every child notices its parent's death itself, and takes its own children along:
   whole tree, e.g. SGLang's scheduler and detokenizer processes), tagged with the run id. A program
   of ours (the CPU engine) calls `die_with_parent()` at start; any other program (SGLang's server,
   an agent scaffold) runs under a keeper: this file run as a script (standard library only, a few
-  MB), which ends its group when the starter ends, and otherwise waits for the program and exits
-  as it did.
+  MB), which ends its group when the starter ends, and otherwise waits for the program, ends
+  what it left in the group, and exits as it did.
 - `die_with_parent(parent_pid)`: a thread that waits on a pidfd of the parent and ends this
   process's group when the parent is gone (SIGTERM, `grace_s`, then SIGKILL).
 - `lead_process_group()`: this process (a trainer rank) leads a process group that a keeper ends
@@ -210,6 +210,7 @@ def _keep(parent: int, grace_s: float, cmd: list[str]) -> int:
     exact = parent_fd is not None and (child is None or child_fd is not None)
     while True:
         if child is not None and child.poll() is not None:
+            _kill_group_but_self(group)  # what the program left behind goes with it
             return _exit_like(child.returncode)
         if os.getppid() != parent:
             break
@@ -223,6 +224,20 @@ def _keep(parent: int, grace_s: float, cmd: list[str]) -> int:
                 child.wait(timeout=grace_s)
     _signal_group(group, signal.SIGKILL)
     return 137
+
+
+def _kill_group_but_self(group: int) -> None:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                pgrp = int(f.read().rsplit(b")", 1)[1].split()[2])  # fields after the command name
+        except (OSError, ValueError, IndexError):
+            continue
+        if pgrp == group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry), signal.SIGKILL)
 
 
 def _sigkill_when_parent_dies() -> None:

@@ -47,6 +47,17 @@ def test_keeper_exits_as_its_program_does():
     assert killed.wait() == -signal.SIGKILL
 
 
+def test_keeper_ends_what_its_program_left():
+    program = "import subprocess; print(subprocess.Popen(['sleep', '600']).pid)"
+    process = lifetime.start_child([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    left = int(process.stdout.readline())
+    assert process.wait() == 0
+    deadline = time.monotonic() + 5
+    while alive({left}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive({left})
+
+
 STARTER = """
 import sys, threading, time
 from megatron_sao.utils.lifetime import start_child
