@@ -210,7 +210,9 @@ class SGLangConfig:
     expert: int = 1
     """SGLang --ep-size per engine."""
     data: int = 1
-    """SGLang --dp-size per engine."""
+    """DP attention per engine: SGLang --attn-dp-size (0.5.23's spelling of --dp-size N
+    --enable-dp-attention; the engine stays one replica, --dp-size 1, as weight updates require);
+    must divide `tensor`."""
     mem_fraction_static: float = 0.7
     """SGLang --mem-fraction-static."""
     extra_args: list[str] = field(default_factory=list)
@@ -219,10 +221,12 @@ class SGLangConfig:
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    mode: Literal["tensor", "distributed", "disk"] = "tensor"
-    """How new actor weights reach the engines: tensors sent to each engine (colocated), a process
+    mode: Literal["auto", "tensor", "distributed", "disk"] = "auto"
+    """How new actor weights reach the engines: tensors sent to each engine (colocated; SGLang gets
+    CUDA IPC handles of trainer rank 0's GPU, so its engines must be on rank 0's node), a process
     group between trainer rank 0 and the engines (disaggregated; NCCL on GPU, gloo on CPU), or
-    safetensors files the engines load (fallback)."""
+    safetensors files the engines load (fallback). auto: tensor for colocated SGLang engines and
+    for CPU engines, distributed for disaggregated SGLang engines (planning/placement.py)."""
     bucket_mb: int = 512
     """Weights travel in buckets of at most this many MiB (peak extra memory of a sync)."""
     every_n_steps: int = 1
@@ -231,6 +235,9 @@ class WeightSyncConfig:
     checksum: bool = False
     """Debugging: compare a checksum of the exported weights with what went on the wire (decoded
     back on the sender; engines report no hash of what they loaded)."""
+    master_address: str = ""
+    """Distributed mode: the address at which the engines reach trainer rank 0 ('': MASTER_ADDR,
+    where rank 0 hosts torch.distributed's store, reachable from every node)."""
 
 
 @dataclass(kw_only=True)

@@ -99,10 +99,23 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
                           f"rollout.top_k={r.top_k} change the sampling distribution but not the log-probs the "
                           f"engine reports; set rollout.top_p=1.0 rollout.top_k=-1 (in {source})")
     _check_rollout_names(config, source)
+    _check_engine_layout(config, source)
     if r.source == "recorded":
         _check(bool(config.data.trajectories_path), "rollout.source=recorded needs data.trajectories_path", source)
     if config.model.build_tiny:
         _check(bool(config.model.hf_path), "model.build_tiny needs model.hf_path (where to build it)", source)
+
+
+def _check_engine_layout(config: SaoConfig, source: str) -> None:
+    """SGLang engine layouts that cannot work (weight-sync mode x placement, engines on other
+    nodes without Ray, DP attention): `planning.placement.check_engine_layout`, read lazily
+    (planning imports this module)."""
+    from megatron_sao.planning.placement import check_engine_layout
+
+    try:
+        check_engine_layout(config)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {source})") from None
 
 
 def _check_rollout_names(config: SaoConfig, source: str) -> None:

@@ -45,7 +45,10 @@ class EngineSource:
         self._sync_failures = 0
         # Colocated: engines and trainers time-share the devices (engines release their memory
         # while the trainer steps); disaggregated: generation stops only for weight updates.
-        self.colocated = config.launcher.engine_placement == "colocated"
+        # `auto` resolves as everywhere else (planning.placement.engine_placement).
+        from megatron_sao.planning.placement import engine_placement
+
+        self.colocated = engine_placement(config) == "colocated"
         self._wait_s = 0.0
         self._batch: list[Trajectory] = []
         self.rollout: Any = None
@@ -100,7 +103,13 @@ class EngineSource:
         return batch[0]
 
     def after_step(self, trainer: Any) -> dict[str, float]:
-        """Push new weights when the actor changed; the rollout's metrics (rank 0's)."""
+        """Push new weights when the actor changed; the rollout's metrics (rank 0's). Colocated, in
+        SGLang 0.5.23's order: the engines' weight memory comes back first, the push writes into
+        it, then the rest (KV cache) comes back and generation continues."""
+        if self.colocated:
+            _give_back_cached_memory()  # the trainer's cached blocks: what the engines resume into
+            if self.rank0:
+                self.rollout.resume_weights()
         self._sync(trainer)
         if not self.rank0:
             return {}
@@ -180,10 +189,12 @@ class EngineSource:
 
     def _settings(self) -> Any:
         from megatron_sao.pipeline.weight_sync import WeightSyncConfig
+        from megatron_sao.planning.placement import weight_sync_mode
 
         ws = self.config.rollout.weight_sync
-        return WeightSyncConfig(mode=ws.mode, bucket_mb=ws.bucket_mb, every_n_steps=ws.every_n_steps,
-                                checksum=ws.checksum, disk_dir=str(self.run_dir / "engine_weights"),
+        return WeightSyncConfig(mode=weight_sync_mode(self.config), bucket_mb=ws.bucket_mb,
+                                every_n_steps=ws.every_n_steps, checksum=ws.checksum,
+                                master_address=ws.master_address, disk_dir=str(self.run_dir / "engine_weights"),
                                 engine_format="sglang" if self.config.rollout.engine == "sglang" else "safetensors",
                                 engine_tp_size=self.config.rollout.sglang.tensor)
 
@@ -212,6 +223,15 @@ class EngineSource:
             self.rollout.stop()
         if self._sync_impl is not None:
             self._sync_impl.exporter.close()
+
+
+def _give_back_cached_memory() -> None:
+    """Colocated engines resume into the memory the trainer's step used: return the blocks torch's
+    caching allocator keeps (activations, gradients of the step) to the device first."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def positioned(stream: Any) -> Iterator[PromptSample]:

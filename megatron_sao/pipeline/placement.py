@@ -112,18 +112,13 @@ def ray_placement(config: SaoConfig, with_engines: bool) -> RayPlacement:
     import torch
 
     from megatron_sao.config.validate import trainer_world_size
-    from megatron_sao.planning.placement import gpu_layout
+    from megatron_sao.planning.placement import engine_placement
 
     trainers = trainer_world_size(config)
     gpu_engines = config.rollout.engine == "sglang"
     engines = config.rollout.num_engines if with_engines else 0
-    if gpu_engines and engines:
-        resolved = gpu_layout(config).placement
-        placement = "colocated" if resolved == "colocated" else "disaggregated"
-        per_engine = config.rollout.sglang.tensor
-    else:
-        placement = "colocated" if config.launcher.engine_placement == "colocated" else "disaggregated"
-        per_engine = 1
+    placement = engine_placement(config)
+    per_engine = config.rollout.sglang.tensor if gpu_engines else 1
     return RayPlacement(placement=placement, trainer_ranks=trainers, num_engines=engines,
                         devices_per_engine=per_engine, use_gpus=torch.cuda.is_available() or gpu_engines)
 
@@ -166,7 +161,8 @@ def make_engine_supervisor(config: SaoConfig) -> Any:
     num_cpus, num_gpus = placement.engine_resources()
 
     def supervisor(engine_config: Any) -> RayEngineSupervisor:
-        return RayEngineSupervisor(engine_config, group, placement.engine_bundles(), num_cpus, num_gpus)
+        return RayEngineSupervisor(engine_config, group, placement.engine_bundles(), num_cpus, num_gpus,
+                                   gpus_per_node=config.launcher.nproc_per_node if placement.use_gpus else None)
 
     return supervisor
 

@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # The engine calls a weight push makes (`pipeline/weight_sync.py`); the only ones forwarded.
-ENGINE_CALLS = frozenset({"update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_disk",
+ENGINE_CALLS = frozenset({"begin_weight_update", "end_weight_update",
+                          "update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_disk",
                           "init_weights_update_group", "destroy_weights_update_group", "update_weight_version",
                           "get_weight_version", "flush_cache"})
 
@@ -103,6 +104,9 @@ class RolloutHost:
 
     def suspend(self) -> None:
         self.service.suspend()
+
+    def resume_weights(self) -> None:
+        self.service.resume_weights()
 
     def resume(self) -> None:
         self.service.resume()
@@ -268,6 +272,9 @@ class RemoteRollout:
 
     def suspend(self) -> None:
         self._get(self.actor.suspend.remote())
+
+    def resume_weights(self) -> None:
+        self._get(self.actor.resume_weights.remote())
 
     def resume(self) -> None:
         self._get(self.actor.resume.remote())

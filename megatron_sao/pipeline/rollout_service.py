@@ -5,9 +5,10 @@
 runs the agent loop over the prompt stream with at most `rollout.max_inflight_per_engine`
 trajectories per engine, and puts every finished trajectory into the `ReadyBuffer` the moment it
 completes. The trainer, on the calling thread, takes batches from the buffer and hands new
-weights back through `update_weights` (pause in place -> load -> continue: trajectories still
+weights back through `paused` (pause in place -> load -> continue: trajectories still
 generating keep their tokens and continue under the new weights, each token tagged with the
-version that sampled it).
+version that sampled it). Colocated runs suspend the engines while the trainer steps
+(`suspend`: retract + release memory; `resume_weights` before the push; `resume` after it).
 
 Back-pressure: no new prompt starts while the buffer has no room (`pipeline.max_buffered`).
 Accounting (a contract: `rollout/started == completed + aborted + failed + in_flight` at every
@@ -34,6 +35,9 @@ from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+RELEASED_TYPES = ("kv_cache", "weights", "cuda_graph")
+"""What `suspend` releases: every type (sglang 0.5.23 srt/constants.py GPU_MEMORY_ALL_TYPES)."""
 
 
 class RolloutService:
@@ -64,6 +68,14 @@ class RolloutService:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)
         self._stopping = False
         self._suspended = False
+        self._released: list[str] = []
+        """Colocated: the memory types `suspend` released and `resume` has not given back yet."""
+        self._suspended_urls: list[str] = []
+        """The engines `suspend` paused and released (only these are resumed: resuming memory an
+        engine never released stops it, as in 0.5.23, e.g. one restarted meanwhile)."""
+        self._paused: set[str] = set()
+        """URLs of the engines this service paused (suspend, a weight update): SGLang 0.5.23 answers
+        no health check while paused (the probe waits behind the pause), so the watchdog skips them."""
         self._task: asyncio.Future | None = None
         self._watchdog: asyncio.Future | None = None
         self.supervisor: Any = None
@@ -118,27 +130,50 @@ class RolloutService:
     # ---- called by the trainer ---------------------------------------------------------------
 
     def suspend(self) -> None:
-        """Colocated placement: the trainer is about to use the devices. Pause generation in place
-        and release the engines' memory (weights, KV cache); `resume` undoes both."""
+        """Colocated placement: the trainer is about to use the devices. In SGLang 0.5.23's order:
+        pause with `retract` (running requests go back to the queue, their KV dropped: the engine is
+        then idle, which `release_memory_occupation` asserts, and an in-place pause would keep KV
+        that is about to be freed), then release every memory type (weights, KV cache, CUDA
+        graphs; only with `--enable-memory-saver` does this free anything). `resume_weights`,
+        the weight push and `resume` undo it."""
         self.raise_if_failed()
         clients = self.pool.clients
 
-        async def suspend() -> None:
-            paused = await self._each(clients, lambda c: c.pause_generation("in_place"))
-            await self._each(paused, lambda c: c.release_memory_occupation())
+        async def suspend() -> list[Any]:
+            paused = await self._each(clients, lambda c: c.pause_generation("retract"))
+            self._paused.update(c.base_url for c in paused)
+            return await self._each(paused, lambda c: c.release_memory_occupation())
 
-        self.run(suspend())
+        released = self.run(suspend())
         self._suspended = True
+        self._released = list(RELEASED_TYPES)
+        self._suspended_urls = [c.base_url for c in released]
+
+    def _suspended_clients(self) -> list[Any]:
+        return [c for c in self.pool.clients if c.base_url in self._suspended_urls]
+
+    def resume_weights(self) -> None:
+        """Colocated, before a weight push: give the engines their weight memory back (a push into
+        released weights would write into freed memory; slime and verl resume `weights` first)."""
+        if not self._suspended or "weights" not in self._released:
+            return
+        resumed = self.run(self._each(self._suspended_clients(), lambda c: c.resume_memory_occupation(["weights"])))
+        self._suspended_urls = [c.base_url for c in resumed]
+        self._released.remove("weights")
 
     def resume(self) -> None:
-        clients = self.pool.clients
+        """Colocated, after the trainer's step (and push): the rest of the memory back, then
+        generation continues (retracted requests are prefilled again)."""
+        clients = self._suspended_clients()
+        tags = list(self._released)
 
         async def resume() -> None:
-            resumed = await self._each(clients, lambda c: c.resume_memory_occupation())
+            resumed = await self._each(clients, lambda c: c.resume_memory_occupation(tags)) if tags else clients
             await self._each(resumed, lambda c: c.continue_generation())
 
         self.run(resume())
-        self._suspended = False
+        self._paused.clear()  # nothing else is paused while suspended (pause_for_update adds none then)
+        self._suspended, self._released, self._suspended_urls = False, [], []
 
     @contextlib.contextmanager
     def paused(self, clients: list[Any]) -> Iterator[list[Any]]:
@@ -158,12 +193,16 @@ class RolloutService:
         self.raise_if_failed()
         if self._suspended:  # colocated: already paused, `resume` continues after the update
             return list(clients)
-        return self.run(self._each(clients, lambda c: c.pause_generation("in_place")))
+        self._paused.update(c.base_url for c in clients)
+        paused = self.run(self._each(clients, lambda c: c.pause_generation("in_place")))
+        self._paused.difference_update(c.base_url for c in clients if c not in paused)
+        return paused
 
     def continue_after_update(self, paused: list[Any]) -> None:
         """`paused`'s second half: continue what `pause_for_update` paused."""
         if not self._suspended:
             self.run(self._each(paused, lambda c: c.continue_generation()))
+            self._paused.difference_update(c.base_url for c in paused)
 
     async def _each(self, clients: list[Any], call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
         """`call` on every client at once; returns those it succeeded on (the others are marked
@@ -231,15 +270,20 @@ class RolloutService:
     async def _watch(self) -> None:
         """A process that is alive but no longer answers (hung) is killed after `health_failures`
         failed checks in a row; the supervisor then restarts it and the agent loop re-sends its
-        calls to a healthy engine. (A dead process is the supervisor's own business.)"""
+        calls to a healthy engine. (A dead process is the supervisor's own business.) Engines this
+        service paused are not checked: SGLang 0.5.23's health probe is a generate request, which
+        waits behind the pause (`TokenizerManager.generate_request`, `is_pause_cond`)."""
         failures: collections.Counter[int] = collections.Counter()
         while not self._stopping:
             await asyncio.sleep(self.health_interval_s)
             for index, client in enumerate(self.pool.clients):
-                if not await asyncio.to_thread(self.supervisor.alive, index):
-                    failures[index] = 0  # dead or restarting: not a hang
+                if client.base_url in self._paused or not await asyncio.to_thread(self.supervisor.alive, index):
+                    failures[index] = 0  # paused by us, or dead / restarting: not a hang
                     continue
                 ok = await client.health_generate(timeout_s=self.health_timeout_s)
+                if client.base_url in self._paused:  # paused while the check was under way
+                    failures[index] = 0
+                    continue
                 failures[index] = 0 if ok else failures[index] + 1
                 if failures[index] >= self.health_failures:
                     logger.warning("engine %s answered no health check for %d tries: killing it to restart",

@@ -3,13 +3,20 @@
 The trainer ranks run the collective Megatron -> HF stream (`models.hf_export.HFWeightExporter`,
 gathered across TP / PP / EP); trainer rank 0 gets the buckets and hands them to every engine:
 `tensor` (colocated: one `/update_weights_from_tensor` per bucket; safetensors payload for the CPU
-engine, SGLang's CUDA-IPC payload with `engine_format="sglang"`), `distributed` (disaggregated: a
-process group of trainer rank 0 and the engines, gloo on CPU, NCCL on GPU, kept across syncs; the
-engines are told names / dtypes / shapes while rank 0 broadcasts) or `disk` (fallback: an HF
-directory `<disk_dir>/v<version>` that every engine loads). Then the version is set on every
-engine and read back: a mismatch raises `WeightSyncError` naming the engine. Checksum mode
-compares the SHA-256 of the export with that of what went on the wire, decoded back on the sender
-(engines report no weight hash). docs/pipeline.md ("Weight sync") has the details and figures.
+engine, SGLang's flattened-bucket CUDA-IPC payload with `engine_format="sglang"`: engines on
+trainer rank 0's node only), `distributed` (disaggregated: a process group of trainer rank 0 and
+the engines, gloo on CPU, NCCL on GPU, kept across syncs; the engines are told names / dtypes /
+shapes while rank 0 broadcasts) or `disk` (fallback: an HF directory `<disk_dir>/v<version>` that
+every engine loads). Then the version is set on every engine and read back from `/model_info`: a
+mismatch raises `WeightSyncError` naming the engine. Checksum mode compares the SHA-256 of the
+export with that of what went on the wire, decoded back on the sender (engines report no weight
+hash). docs/pipeline.md ("Weight sync") has the details and figures.
+
+SGLang 0.5.23 refuses tensor and distributed updates outside a weight-update session
+(`managers/scheduler_components/weight_updater.py`), so those modes run
+`begin_weight_update` -> buckets -> `end_weight_update` on every engine (the end also runs the
+engine's post-load processing); a failed push still ends the session it opened. Disk updates
+need none (and a session around one would post-process twice).
 
 Pause / continue is the caller's job:
 
@@ -27,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -69,8 +77,9 @@ class WeightSyncConfig:
     disk_dir: str = ""
     """Disk mode: a directory every engine can read, owned by weight sync (its `v*` entries are
     replaced); required for mode=disk."""
-    master_address: str = "127.0.0.1"
-    """Distributed mode: the address at which the engines reach trainer rank 0."""
+    master_address: str = ""
+    """Distributed mode: the address at which the engines reach trainer rank 0; '' = MASTER_ADDR
+    (where rank 0 hosts torch.distributed's store, so reachable from every node), else 127.0.0.1."""
     master_port: int = 0
     """Distributed mode: TCP port of the group's store on trainer rank 0 (0: a free port)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -154,6 +163,7 @@ class WeightSync:
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self._backend = (("nccl" if torch.cuda.is_available() else "gloo") if config.backend == "auto"
                          else config.backend)
+        self._session_open: list[Any] = []
         # Tensors stay on the GPU only for CUDA-IPC payloads and NCCL broadcasts.
         self._cpu = not ((config.mode == "tensor" and config.engine_format == "sglang")
                          or (config.mode == "distributed" and self._backend == "nccl"))
@@ -191,8 +201,12 @@ class WeightSync:
                 raise ValueError("weight sync needs at least one engine client")
             if self.config.mode == "distributed":
                 await self._ensure_group(clients)
+            if self.config.mode != "disk":
+                await self._begin(clients)
             await sender[self.config.mode](clients, self._timed(buckets, report), version, report)
+            await self._end(clients, strict=True)
         except BaseException:
+            await self._end(clients, strict=False)  # best effort: a session left open refuses the next begin
             await self.close_group(clients)  # a broadcast cut short leaves the group unusable
             raise
         finally:
@@ -210,6 +224,26 @@ class WeightSync:
             report.checksum = combine_digests(report.digests)
         report.seconds = time.perf_counter() - start
         return report
+
+    async def _begin(self, clients: Sequence[Any]) -> None:
+        """Open a weight-update session on every engine (0.5.23 refuses tensor / distributed
+        updates outside one); the engines that opened one are remembered for `_end`."""
+        results = await asyncio.gather(*(c.begin_weight_update() for c in clients), return_exceptions=True)
+        self._session_open = [c for c, r in zip(clients, results, strict=True) if not isinstance(r, BaseException)]
+        errors = [f"{c.base_url}: {r}" for c, r in zip(clients, results, strict=True) if isinstance(r, BaseException)]
+        if errors:
+            raise WeightSyncError(f"weight sync: begin_weight_update failed on {len(errors)} engine(s): "
+                                  + "; ".join(errors))
+
+    async def _end(self, clients: Sequence[Any], strict: bool) -> None:
+        """Close the sessions `_begin` opened (the engines finalise the loaded weights)."""
+        opened, self._session_open = self._session_open, []
+        if not opened:
+            return
+        if strict:
+            await _each(opened, "end_weight_update", lambda c: c.end_weight_update())
+        else:
+            await asyncio.gather(*(c.end_weight_update() for c in opened), return_exceptions=True)
 
     async def _timed(self, buckets: Iterator[dict[str, torch.Tensor]], report: SyncReport):
         while True:
@@ -238,14 +272,17 @@ class WeightSync:
     async def _send_tensor(self, clients, buckets, version: str, report: SyncReport) -> None:
         sglang = self.config.engine_format == "sglang"
         async for bucket in buckets:
-            if sglang:
-                payload = wt.encode_sglang_tensor_payload(bucket, self.config.engine_tp_size)
+            if sglang:  # `flat` (what the IPC handle points at) stays alive until every engine answered
+                payload, flat = wt.encode_sglang_flattened_payload(bucket, self.config.engine_tp_size)
             else:
-                payload = [await asyncio.to_thread(wt.encode_safetensors_payload, bucket)]
+                payload, flat = [await asyncio.to_thread(wt.encode_safetensors_payload, bucket)], None
                 self._check_wire(wt.decode_safetensors_payload(payload[0]), bucket, report, "tensor payload")
-            fmt = None if sglang else wt.SAFETENSORS_LOAD_FORMAT
+            fmt = wt.SGLANG_FLATTENED_LOAD_FORMAT if sglang else wt.SAFETENSORS_LOAD_FORMAT
             await _each(clients, f"update_weights_from_tensor (bucket {report.num_buckets})",
                         lambda c, p=payload, f=fmt: c.update_weights_from_tensor(p, load_format=f, flush_cache=False))
+            del flat, payload
+            if sglang:
+                torch.cuda.ipc_collect()  # give back IPC blocks the engines have closed (slime does the same)
 
     async def _send_distributed(self, clients, buckets, version: str, report: SyncReport) -> None:
         group = self._group
@@ -293,49 +330,52 @@ class WeightSync:
 
     # ---- the distributed group -------------------------------------------------------------------
 
+    @property
+    def master_address(self) -> str:
+        """Where the engines reach trainer rank 0: the configured address, else MASTER_ADDR (rank 0
+        hosts torch.distributed's store there, so every trainer node reaches it; Ray ranks get
+        their node's address, `platform/ray_ranks.py`), else loopback (one machine)."""
+        return self.config.master_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
     async def _ensure_group(self, clients: Sequence[Any]) -> None:
         urls = tuple(c.base_url for c in clients)
         if self._group is not None and urls == self._group_urls:
             return
         await self.close_group(clients)
         port = self.config.master_port or free_port()
-        cfg = self.config
+        cfg, address = self.config, self.master_address
         world = 1 + len(clients) * cfg.engine_tp_size  # an engine joins with one rank per TP rank
-        opened = asyncio.to_thread(self._open_group, port, world)
-        joins = [c.init_weights_update_group(cfg.master_address, port, rank_offset=1 + i * cfg.engine_tp_size,
+        opened = asyncio.to_thread(self._open_group, address, port, world)
+        joins = [c.init_weights_update_group(address, port, rank_offset=1 + i * cfg.engine_tp_size,
                                              world_size=world,
                                              group_name=cfg.group_name, backend=self._backend)
                  for i, c in enumerate(clients)]
         results = await asyncio.gather(opened, *joins, return_exceptions=True)
         errors = [f"{c.base_url}: {r}" for c, r in zip(clients, results[1:], strict=True) if isinstance(r, Exception)]
+        if not isinstance(results[0], BaseException):
+            self._group, self._group_urls = results[0], urls  # held from here: close_group destroys it
         if isinstance(results[0], Exception) or errors:
-            raise WeightSyncError(f"opening the weight update group ({cfg.master_address}:{port}, {self._backend}) "
+            raise WeightSyncError(f"opening the weight update group ({address}:{port}, {self._backend}) "
                                   f"failed: {results[0] if isinstance(results[0], Exception) else ''} {errors}")
-        self._group, self._group_urls = results[0], urls
 
-    def _open_group(self, port: int, world: int) -> Any:
-        cfg = self.config
-        if self._backend == "gloo":
-            return wt.create_weight_update_group(cfg.master_address, port, 0, world, cfg.group_name, "gloo",
-                                                 cfg.timeout_s)
-        import datetime
-
-        from sglang.srt.utils import init_custom_process_group  # the recipe SGLang's engines join with
-
-        torch.cuda.set_device(self._device)
-        return init_custom_process_group(backend="nccl", init_method=f"tcp://{cfg.master_address}:{port}",
-                                         world_size=world, rank=0, group_name=cfg.group_name,
-                                         timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    def _open_group(self, address: str, port: int, world: int) -> Any:
+        if self._device is not None and self._backend == "nccl":
+            torch.cuda.set_device(self._device)
+        return wt.init_update_group(address, port, 0, world, self.config.group_name, self._backend,
+                                    self.config.timeout_s)
 
     async def close_group(self, clients: Sequence[Any] = ()) -> None:
-        """Forget the group (engines that still answer destroy their end); the next distributed
-        push opens a new one. Call after an engine restart."""
+        """Destroy the group on both ends (engines that still answer destroy theirs; the trainer's
+        end leaves torch's registry, so the next distributed push can open the same name again).
+        Call after an engine restart."""
         if self._group is None:
             return
+        group, self._group = self._group, None
         live = [c for c in clients if c.base_url in self._group_urls]
+        self._group_urls = ()
         await asyncio.gather(*(c.destroy_weights_update_group(self.config.group_name) for c in live),
                              return_exceptions=True)
-        self._group, self._group_urls = None, ()
+        await asyncio.to_thread(wt.destroy_update_group, group)
 
 
 def _next(buckets: Iterator[dict[str, torch.Tensor]], device: int | None) -> dict[str, torch.Tensor] | None:

@@ -60,3 +60,81 @@ def gpu_layout(config: SaoConfig) -> GpuLayout:
         )
     engine_nodes = -(-engines // launcher.nproc_per_node) if placement == "disaggregated" else 0
     return GpuLayout(total, trainers, engines, per_engine, placement, engine_nodes)
+
+
+def engine_placement(config: SaoConfig) -> Literal["colocated", "disaggregated"]:
+    """Where the run's engines are, resolved once for everything that depends on it (Ray
+    bundles, suspending engines while the trainer steps, the memory saver, weight-sync defaults):
+    SGLang engines as `gpu_layout` resolves `launcher.engine_placement` (auto: colocated when the
+    trainers take every GPU); CPU engines colocated only when the recipe says so."""
+    if config.rollout.engine == "sglang":
+        return "colocated" if gpu_layout(config).placement == "colocated" else "disaggregated"
+    return "colocated" if config.launcher.engine_placement == "colocated" else "disaggregated"
+
+
+def weight_sync_mode(config: SaoConfig) -> Literal["tensor", "distributed", "disk"]:
+    """`rollout.weight_sync.mode`, with `auto` resolved by placement: SGLang engines colocated with
+    the trainers get tensors (CUDA IPC from the GPUs they share), disaggregated ones a process
+    group with trainer rank 0 (NCCL); CPU engines take tensors (safetensors bytes over HTTP reach
+    any node)."""
+    mode = config.rollout.weight_sync.mode
+    if mode != "auto":
+        return mode
+    if config.rollout.engine == "sglang" and engine_placement(config) == "disaggregated":
+        return "distributed"
+    return "tensor"
+
+
+def trainer_gpus_on_first_node(config: SaoConfig) -> int:
+    """GPUs the trainer ranks take on trainer rank 0's node (ranks fill nodes in order)."""
+    return min(trainer_world_size(config), config.launcher.nproc_per_node)
+
+
+def check_engine_layout(config: SaoConfig) -> None:
+    """ConfigError naming the keys for SGLang engine layouts that cannot work (config load):
+    weight-sync mode x placement, engines outside Ray on other nodes, engines spanning nodes,
+    DP attention that does not divide the engine's TP."""
+    rollout, launcher = config.rollout, config.launcher
+    if rollout.engine != "sglang":
+        return
+    try:
+        layout = gpu_layout(config)
+    except ConfigError:  # a GPU split that does not add up: `sao plan` / the launcher name it where it matters
+        return
+    sglang = rollout.sglang
+    placement = engine_placement(config)
+    mode = weight_sync_mode(config)
+    where = (f"launcher.engine_placement={launcher.engine_placement} resolves to {placement} (parallelism.world_size "
+             f"{layout.trainer_gpus} of launcher.nnodes x launcher.nproc_per_node = {layout.total_gpus} GPUs)")
+    if sglang.data > 1 and sglang.tensor % sglang.data:
+        raise ConfigError(f"rollout.sglang.data = {sglang.data} (SGLang --attn-dp-size: attention data parallel "
+                          f"inside the engine's TP group) must divide rollout.sglang.tensor = {sglang.tensor}")
+    if sglang.tensor > launcher.nproc_per_node:
+        if sglang.tensor % launcher.nproc_per_node:
+            raise ConfigError(f"rollout.sglang.tensor = {sglang.tensor} GPUs per engine spans nodes, so it must be a "
+                              f"multiple of launcher.nproc_per_node = {launcher.nproc_per_node} (whole nodes)")
+        if not launcher.ray:
+            raise ConfigError(
+                f"rollout.sglang.tensor = {sglang.tensor} GPUs per engine spans nodes of launcher.nproc_per_node = "
+                f"{launcher.nproc_per_node} GPUs: multi-node engines are started on Ray only (one engine host per "
+                "node, pipeline/ray_engines.py); set launcher.ray=true")
+    if mode == "tensor" and placement == "disaggregated":
+        raise ConfigError(f"rollout.weight_sync.mode=tensor sends CUDA IPC handles, which only engines on the "
+                          f"trainers' GPUs can open, but {where}; use rollout.weight_sync.mode=distributed (or auto)")
+    if mode == "tensor" and rollout.num_engines * sglang.tensor > launcher.nproc_per_node:
+        raise ConfigError(
+            f"rollout.weight_sync.mode=tensor: trainer rank 0 sends CUDA IPC handles of its GPU, which only processes "
+            f"on its node can open, but rollout.num_engines x rollout.sglang.tensor = {rollout.num_engines} x "
+            f"{sglang.tensor} engine GPUs exceed launcher.nproc_per_node = {launcher.nproc_per_node}; use "
+            "rollout.weight_sync.mode=disk or fewer engines")
+    if mode == "distributed" and placement == "colocated":
+        raise ConfigError(f"rollout.weight_sync.mode=distributed with colocated engines ({where}): NCCL cannot hold "
+                          "trainer rank 0 and the engine on its GPU in one communicator; use "
+                          "rollout.weight_sync.mode=tensor (or auto)")
+    free_on_first = launcher.nproc_per_node - trainer_gpus_on_first_node(config)
+    if placement == "disaggregated" and not launcher.ray and layout.engine_gpus > free_on_first:
+        raise ConfigError(
+            f"without launcher.ray the engines start on trainer rank 0's node, which has {free_on_first} GPU(s) "
+            f"left of launcher.nproc_per_node = {launcher.nproc_per_node}, but rollout.num_engines x "
+            f"rollout.sglang.tensor = {rollout.num_engines} x {sglang.tensor} = {layout.engine_gpus}; set "
+            "launcher.ray=true (engines placed on the allocation's other GPUs, pipeline/placement.py)")

@@ -5,8 +5,9 @@ The largest recipes (DeepSeek-V3, the GLM-5-class model) serve each engine with 
 for `--node-rank`, meeting at `--dist-init-addr` (the first node's IP and a port of the job's
 block); only node rank 0 serves HTTP. Engines of at most one node's GPUs are packed onto nodes
 side by side (`--base-gpu-id`). This module computes that placement from the engine nodes of the
-allocation and writes the per-node command lines; starting and watching the processes is the
-rollout pipeline's job (rollout/engine_supervisor.py for engines on one node).
+allocation and writes the per-node command lines (`sao launch slurm`'s engine component). The
+pipeline starts multi-node engines on Ray (pipeline/ray_engines.py: one engine host per node of
+an engine), each part an `EngineSupervisor` whose command line ends with `multi_node_args`.
 """
 
 from __future__ import annotations
@@ -61,20 +62,26 @@ def place_engines(engine_nodes: list[str], gpus_per_node: int, num_engines: int,
             for i, (nodes, base) in enumerate(layout[:num_engines])]
 
 
+def multi_node_args(nnodes: int, node_rank: int, dist_init_addr: str) -> list[str]:
+    """SGLang's flags for node `node_rank` of an engine spanning `nnodes` nodes, meeting at
+    `dist_init_addr` (HOST:PORT on node rank 0; sglang 0.5.23 server_args `--nnodes`,
+    `--node-rank`, `--dist-init-addr`)."""
+    return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
+
+
 def sglang_node_commands(slot: EngineSlot, head_ip: str, model_path: str, tensor: int, expert: int = 1,
                          data: int = 1, mem_fraction_static: float | None = None,
                          extra_args: tuple[str, ...] = (), python: str = "python") -> list[tuple[str, list[str]]]:
     """(hostname, command line) for every node of engine `slot`; `head_ip` is the advertised
     address of `slot.nodes[0]`."""
     common = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(tensor),
-              "--ep-size", str(expert), "--dp-size", str(data), "--host", "0.0.0.0", "--port", str(slot.port),
+              "--ep-size", str(expert), "--dp-size", "1", "--host", "0.0.0.0", "--port", str(slot.port),
               "--base-gpu-id", str(slot.base_gpu), "--skip-server-warmup"]
-    if data > 1:
-        common.append("--enable-dp-attention")
+    if data > 1:  # DP attention: 0.5.23 deprecates --enable-dp-attention for --attn-dp-size (parallel_hook.py)
+        common += ["--attn-dp-size", str(data)]
     if mem_fraction_static is not None:
         common += ["--mem-fraction-static", str(mem_fraction_static)]
     if len(slot.nodes) == 1:
         return [(slot.nodes[0], [*common, *extra_args])]
-    return [(node, [*common, "--nnodes", str(len(slot.nodes)), "--node-rank", str(rank),
-                    "--dist-init-addr", f"{head_ip}:{slot.dist_port}", *extra_args])
+    return [(node, [*common, *multi_node_args(len(slot.nodes), rank, f"{head_ip}:{slot.dist_port}"), *extra_args])
             for rank, node in enumerate(slot.nodes)]

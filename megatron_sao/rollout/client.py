@@ -1,17 +1,22 @@
 """An async client for SGLang's native HTTP API (and the CPU engine, which speaks the same).
 
-Matched to SGLang's `python/sglang/srt/entrypoints/http_server.py` and `managers/io_struct.py`
-(sglang 0.5.x, requirements-gpu.txt pins 0.5.23; the `weight_versions` spans are read when an
-engine sends them, as current SGLang main and the CPU engine do). Field names and response shapes
-are SGLang's own, so the same calls drive a real SGLang server and the CPU engine:
+Matched to sglang 0.5.23 (the version requirements-gpu.txt pins): routes from its
+`srt/entrypoints/http_server.py`, request bodies from `srt/managers/io_struct.py`; the default
+test suite checks every call below against that package's own FastAPI app and request classes
+(tests/rollout/test_sglang_conformance.py). Field names and response shapes are SGLang's own, so
+the same calls drive a real SGLang server and the CPU engine:
 
 - `POST /generate` with `input_ids`, `sampling_params`, `return_logprob` -> `text`,
   `output_ids`, `meta_info.output_token_logprobs` (`[logprob, token_id, text|null]`),
   `meta_info.finish_reason` (`{"type": "stop"|"length"|"abort", ...}`), `weight_version`;
-- `GET /health_generate`, `GET /get_weight_version`, `GET /get_model_info`;
+- `GET /health_generate`; `GET /model_info` (its `weight_version` is the engine's current
+  version: 0.5.23 has no `/get_weight_version`), `GET /server_info`;
 - `POST /abort_request {rid, abort_all}`; `POST /pause_generation {mode}`,
   `POST /continue_generation`; `POST /flush_cache`;
 - `POST /release_memory_occupation {tags}`, `POST /resume_memory_occupation {tags}`;
+- `POST /begin_weight_update {selector}` ... `POST /end_weight_update`: the weight-update
+  session; 0.5.23 refuses tensor and distributed updates outside it
+  (`managers/scheduler_components/weight_updater.py`);
 - `POST /update_weights_from_disk`, `/update_weights_from_tensor`,
   `/init_weights_update_group`, `/update_weights_from_distributed`,
   `/destroy_weights_update_group`, `/update_weight_version`.
@@ -193,13 +198,15 @@ class EngineClient:
         return True
 
     async def get_weight_version(self) -> str:
-        return str((await self._request("GET", "/get_weight_version")).json()["weight_version"])
+        """The engine's weight version: `/model_info`'s `weight_version` (0.5.23 http_server.py
+        `model_info`; there is no `/get_weight_version` route)."""
+        return str((await self.get_model_info())["weight_version"])
 
     async def get_model_info(self) -> dict[str, Any]:
-        return (await self._request("GET", "/get_model_info")).json()
+        return (await self._request("GET", "/model_info")).json()
 
     async def get_server_info(self) -> dict[str, Any]:
-        return (await self._request("GET", "/get_server_info")).json()
+        return (await self._request("GET", "/server_info")).json()
 
     async def flush_cache(self) -> bool:
         """False when the engine refuses because requests are in flight (SGLang's 400)."""
@@ -222,6 +229,15 @@ class EngineClient:
         await self._post_json("/resume_memory_occupation", {"tags": tags})
 
     # ---- weights ----------------------------------------------------------------------------
+
+    async def begin_weight_update(self, selector: Literal["target", "draft", "all"] = "all") -> dict[str, Any]:
+        """Open a weight-update session (0.5.23: tensor and distributed updates are refused
+        outside one; a second begin is refused until `end_weight_update`)."""
+        return await self._post_update("/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        """Close the session: the engine finalises the loaded weights (post-load processing)."""
+        return await self._post_update("/end_weight_update", {})
 
     async def update_weights_from_disk(
         self,
@@ -251,7 +267,7 @@ class EngineClient:
         abort_all_requests: bool = False,
     ) -> dict[str, Any]:
         """`serialized_named_tensors`: one payload per engine TP rank, from
-        `weight_transfer.encode_sglang_tensor_payload` (SGLang, `load_format=None`) or
+        `weight_transfer.encode_sglang_flattened_payload` (SGLang, `load_format="flattened_bucket"`) or
         `weight_transfer.encode_safetensors_payload` (CPU engine, `load_format="safetensors"`)."""
         return await self._post_update(
             "/update_weights_from_tensor",

@@ -60,12 +60,22 @@ class EngineConfig:
     ep_size: int = 1
     """SGLang expert parallel size (within the engine's TP group)."""
     dp_size: int = 1
-    """SGLang data parallel replicas inside one engine."""
+    """SGLang data parallel replicas inside one engine (`--dp-size`, each a TP group of its own;
+    0.5.23 refuses tensor / distributed weight updates unless it is 1, tokenizer_control_mixin.py)."""
     pp_size: int = 1
-    enable_dp_attention: bool = False
-    """SGLang DP attention: dp_size splits the TP group instead of adding GPUs."""
+    attn_dp_size: int = 1
+    """SGLang DP attention (`--attn-dp-size`, 0.5.23's replacement of the deprecated
+    `--enable-dp-attention`, arg_groups/parallel_hook.py): attention data parallel inside the TP
+    group, no extra GPUs; must divide tp_size."""
     base_gpu_id: int = 0
     """First GPU of engine 0; engine i starts at base_gpu_id + i * gpus_per_engine."""
+    nnodes: int = 1
+    """Nodes one engine spans (SGLang `--nnodes`); a supervisor with nnodes > 1 runs one node's part
+    of one engine (platform/engine_nodes.py, pipeline/ray_engines.py)."""
+    node_rank: int = 0
+    """This part's node rank; only node rank 0 serves HTTP."""
+    dist_init_addr: str = ""
+    """HOST:PORT where the parts of a multi-node engine meet (node rank 0's address)."""
     mem_fraction_static: float | None = None
     context_length: int | None = None
     max_running_requests: int | None = None
@@ -87,19 +97,29 @@ class EngineConfig:
 
     @property
     def gpus_per_engine(self) -> int:
-        return self.tp_size * self.pp_size * (1 if self.enable_dp_attention else self.dp_size)
+        """GPUs of one engine on this node (all of them for an engine within one node)."""
+        return self.tp_size * self.pp_size * self.dp_size // self.nnodes
 
     def validate(self) -> None:
         if self.backend not in ("cpu", "sglang"):
             raise ValueError(f"EngineConfig.backend must be 'cpu' or 'sglang', got {self.backend!r}")
         if not self.model_path:
             raise ValueError("EngineConfig.model_path is required")
-        for name in ("num_engines", "tp_size", "ep_size", "dp_size", "pp_size", "cpu_threads"):
+        for name in ("num_engines", "tp_size", "ep_size", "dp_size", "pp_size", "attn_dp_size", "nnodes",
+                     "cpu_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size} (SGLang's EP lives in TP)")
-        if self.backend == "cpu" and self.gpus_per_engine != 1:
+        if self.tp_size % self.attn_dp_size:
+            raise ValueError(f"attn_dp_size {self.attn_dp_size} must divide tp_size {self.tp_size}")
+        if (self.tp_size * self.pp_size * self.dp_size) % self.nnodes:
+            raise ValueError(f"an engine of {self.tp_size * self.pp_size * self.dp_size} GPUs cannot span "
+                             f"{self.nnodes} nodes evenly")
+        if self.nnodes > 1 and (self.num_engines != 1 or not self.dist_init_addr or
+                                not 0 <= self.node_rank < self.nnodes):
+            raise ValueError("a multi-node engine part needs num_engines=1, dist_init_addr and 0 <= node_rank < nnodes")
+        if self.backend == "cpu" and (self.gpus_per_engine != 1 or self.attn_dp_size != 1 or self.nnodes != 1):
             raise ValueError("the CPU engine has no tensor / pipeline / data parallelism; keep tp, pp, dp at 1")
 
 
@@ -174,8 +194,12 @@ class EngineSupervisor:
             *("--weight-version", self._weight_version, "--random-seed", str(c.random_seed + c.first_index + index)),
             "--skip-server-warmup",
         ]
-        if c.enable_dp_attention:
-            cmd.append("--enable-dp-attention")
+        if c.attn_dp_size > 1:
+            cmd += ["--attn-dp-size", str(c.attn_dp_size)]
+        if c.nnodes > 1:
+            from megatron_sao.platform.engine_nodes import multi_node_args
+
+            cmd += multi_node_args(c.nnodes, c.node_rank, c.dist_init_addr)
         if c.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
         if c.context_length is not None:
@@ -190,6 +214,10 @@ class EngineSupervisor:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        # Under torchrun this makes torch's tcp:// rendezvous a store client on every rank
+        # (torch/distributed/rendezvous.py `_create_c10d_store`): an engine's weight update group
+        # must not inherit it from the trainer.
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_repo_root(), env.get("PYTHONPATH", "")) if p)
         env.update(self.config.env)
         return env
@@ -238,6 +266,8 @@ class EngineSupervisor:
         logger.info("engine %d: pid %d on %s", handle.index, handle.process.pid, handle.url)
 
     def _wait_healthy(self, handle: EngineHandle) -> None:
+        if self.config.nnodes > 1 and self.config.node_rank > 0:
+            return  # serves no HTTP (0.5.23 http_server.py: node_rank >= 1 runs schedulers only)
         deadline = time.monotonic() + self.config.startup_timeout_s
         with httpx.Client(timeout=30.0) as http:
             while True:

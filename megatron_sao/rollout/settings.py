@@ -23,8 +23,18 @@ _ENVIRONMENT_SETTINGS: dict[str, Callable[[RolloutConfig], dict[str, Any]]] = {
 
 def engine_config_from(config: SaoConfig, model_path: str | None = None) -> EngineConfig:
     """Engine servers for `config` (SGLang on GPU, the CPU engine otherwise), serving `model_path`
-    (default: the run's HF checkpoint)."""
+    (default: the run's HF checkpoint).
+
+    SGLang: `rollout.sglang.data` is DP attention (`--attn-dp-size`, one replica: 0.5.23 refuses
+    tensor / distributed weight updates for `--dp-size` > 1); colocated engines get
+    `--enable-memory-saver` (without it `release_memory_occupation` frees nothing); engines of a
+    disaggregated run started outside Ray begin after the GPUs trainer ranks take on rank 0's node
+    (`--base-gpu-id`; on Ray each engine host starts at the GPU Ray gave it)."""
+    from megatron_sao.planning.placement import engine_placement, trainer_gpus_on_first_node
+
     rollout = config.rollout
+    sglang = rollout.engine == "sglang"
+    colocated = engine_placement(config) == "colocated"
     return EngineConfig(
         backend=rollout.engine,
         model_path=model_path or config.model.hf_path,
@@ -32,7 +42,9 @@ def engine_config_from(config: SaoConfig, model_path: str | None = None) -> Engi
         random_seed=config.run.seed,
         tp_size=rollout.sglang.tensor,
         ep_size=rollout.sglang.expert,
-        dp_size=rollout.sglang.data,
+        attn_dp_size=rollout.sglang.data,
+        base_gpu_id=trainer_gpus_on_first_node(config) if sglang and not colocated else 0,
+        enable_memory_saver=sglang and colocated,
         mem_fraction_static=rollout.sglang.mem_fraction_static,
         context_length=rollout.max_total_tokens,
         extra_args=list(rollout.sglang.extra_args),

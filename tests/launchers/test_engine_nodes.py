@@ -36,7 +36,9 @@ def test_an_engine_spanning_two_nodes_gets_one_line_per_node() -> None:
     assert differ == [("0", "1")]  # only --node-rank
     assert rank0[rank0.index("--node-rank") - 1] == "2"  # --nnodes 2
     assert rank0[rank0.index("--dist-init-addr") + 1] == f"10.0.0.3:{slots[1].dist_port}"
-    assert "--enable-dp-attention" in rank0 and rank0[-1] == "--trust-remote-code"
+    # DP attention as 0.5.23 spells it (--enable-dp-attention is deprecated): one replica, attention DP 16
+    assert rank0[rank0.index("--attn-dp-size") + 1] == "16" and rank0[rank0.index("--dp-size") + 1] == "1"
+    assert "--enable-dp-attention" not in rank0 and rank0[-1] == "--trust-remote-code"
     assert slots[1].dist_port not in {s.port for s in slots}
 
 

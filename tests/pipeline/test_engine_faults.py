@@ -57,7 +57,11 @@ def test_colocated_placement_completes(tmp_path, tiny_hf_dir):
     code, _, run_dir = run_train(_engine_config(tmp_path, tiny_hf_dir, "colocated", "run.total_steps=2",
                                                 "launcher.engine_placement=colocated"))
     assert code == 0
-    _identity_holds(_rows(run_dir))
+    rows = _rows(run_dir)
+    _identity_holds(rows)
+    # suspended (retract + release) and resumed every step in 0.5.23's order: releasing with
+    # requests running or pushing into released weights would have stopped the engine
+    assert rows[-1]["rollout/engine_restarts"] == 0 and rows[-1]["rollout/weight_sync_failures"] == 0
 
 
 @pytest.mark.timeout(900)

@@ -208,18 +208,55 @@ def test_health_info_flush_and_memory_endpoints(engine):
         assert await client.flush_cache()
         task = await _start_long(client, rid="flush", max_new_tokens=300)
         refused = not await client.flush_cache()  # SGLang refuses while requests run
+        # 0.5.23's order for releasing memory: retract first (releasing asserts an idle scheduler)
+        await client.pause_generation("retract")
         await client.release_memory_occupation(tags=["kv_cache", "weights"])
-        await client.resume_memory_occupation()
+        await client.resume_memory_occupation(tags=["kv_cache", "weights"])
+        await client.continue_generation()
         await client.abort_request(rid="flush")
-        await task
-        return refused
+        out = await task
+        return refused, out.finish_reason.type
 
-    assert run(go())
+    assert run(go()) == (True, "abort")
+
+
+def test_releasing_memory_while_requests_run_stops_the_engine_as_sglang_does():
+    """0.5.23 asserts `is_fully_idle` in `release_memory_occupation`, inside the scheduler loop:
+    the scheduler exits and the server with it. The CPU engine does the same, so a pipeline that
+    releases memory after an in-place pause (requests still running) fails here too."""
+    with cpu_engine() as server:
+        async def go():
+            client = EngineClient(server.url)
+            task = await _start_long(client, rid="busy", max_new_tokens=300)
+            await client.pause_generation("in_place")  # keeps the running batch: not idle
+            with pytest.raises(EngineError, match="only when server is idle"):
+                await client.release_memory_occupation()
+            with pytest.raises(EngineError):  # the request in flight is answered with the engine's end
+                await asyncio.wait_for(task, 30)
+            return await client.health_generate(timeout_s=5)
+
+        assert not run(go()) and not server.engine.scheduler.alive
+        assert server.engine.scheduler.fatal_error.startswith("release_memory_occupation should be called")
+
+
+def test_a_paused_engine_answers_no_health_check(monkeypatch):
+    """0.5.23's health probe is a generate request that waits behind the pause: 503 after
+    SGLANG_HEALTH_CHECK_TIMEOUT unless generation continues meanwhile."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    with cpu_engine() as server:
+        async def go():
+            client = EngineClient(server.url)
+            await client.pause_generation("in_place")
+            paused = await client.health_generate(timeout_s=10)
+            await client.continue_generation()
+            return paused, await client.health_generate(timeout_s=10)
+
+        assert run(go()) == (False, True)
 
 
 def test_dropped_client_connection_aborts_its_request(engine):
     def state():
-        info = httpx.get(f"{engine.url}/get_server_info").json()
+        info = httpx.get(f"{engine.url}/server_info").json()
         return info["stats"]["aborted_requests"], info["internal_states"][0]["num_running_reqs"]
 
     aborted_before, _ = state()

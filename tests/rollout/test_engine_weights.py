@@ -69,6 +69,7 @@ def test_update_from_tensor_payload_full_and_partial(outputs_of_b):
             client = EngineClient(server.url)
             before = await client.generate(PROMPT, GREEDY)
             one_expert = {k: v for k, v in other.items() if k == "model.layers.1.mlp.experts.2.up_proj.weight"}
+            await client.begin_weight_update()  # 0.5.23: tensor updates only inside a session
             await client.update_weights_from_tensor(
                 [encode_safetensors_payload(one_expert)], load_format=SAFETENSORS_LOAD_FORMAT, weight_version="1"
             )
@@ -76,6 +77,7 @@ def test_update_from_tensor_payload_full_and_partial(outputs_of_b):
             await client.update_weights_from_tensor(
                 [encode_safetensors_payload(other)], load_format=SAFETENSORS_LOAD_FORMAT, weight_version="2"
             )
+            await client.end_weight_update()
             full = await client.generate(PROMPT, GREEDY)
             return before, partial, full
 
@@ -95,6 +97,11 @@ def test_bad_tensor_updates_are_refused_before_anything_changes():
                 "model.layers.0.not_a_weight": torch.zeros(2),  # ...but this name is unknown
             }
             errors = []
+            with pytest.raises(EngineError) as info:  # outside a session: 0.5.23's refusal
+                await client.update_weights_from_tensor([encode_safetensors_payload(bad)],
+                                                        load_format=SAFETENSORS_LOAD_FORMAT)
+            errors.append(info.value.message)
+            await client.begin_weight_update()
             for payload, fmt in (
                 ([encode_safetensors_payload(bad)], SAFETENSORS_LOAD_FORMAT),
                 ([encode_safetensors_payload({"lm_head.weight": torch.zeros(3, 3)})], SAFETENSORS_LOAD_FORMAT),
@@ -104,12 +111,22 @@ def test_bad_tensor_updates_are_refused_before_anything_changes():
                 with pytest.raises(EngineError) as info:
                     await client.update_weights_from_tensor(payload, load_format=fmt, weight_version="9")
                 errors.append(info.value.message)
+            with pytest.raises(EngineError) as info:
+                await client.begin_weight_update()
+            errors.append(info.value.message)
+            await client.end_weight_update()
+            with pytest.raises(EngineError) as info:
+                await client.end_weight_update()
+            errors.append(info.value.message)
             after = await client.generate(PROMPT, GREEDY)
             return before, errors, after, await client.get_weight_version()
 
         before, errors, after, version = run(go())
+    assert "must run between begin_weight_update() and end_weight_update()" in errors[0]
+    errors = errors[1:]
     assert "unknown" in errors[0] and "shape" in errors[1] and "safetensors" in errors[2]
     assert "load_format='safetensors'" in errors[3]
+    assert "already open" in errors[4] and "no weight-update session is open" in errors[5]
     assert after.output_ids == before.output_ids and version == "0"
 
 
@@ -128,6 +145,7 @@ def test_update_from_a_gloo_process_group(outputs_of_b):
             trainer.start()  # rank 0 (the trainer) and the engine (rank_offset 1) join together
             await client.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
             trainer.join()
+            await client.begin_weight_update()
             sender = threading.Thread(target=broadcast_tensors, args=(holder["group"], [other[n] for n in names]))
             sender.start()
             await client.update_weights_from_distributed(
@@ -137,6 +155,7 @@ def test_update_from_a_gloo_process_group(outputs_of_b):
                 weight_version="3",
             )
             sender.join()
+            await client.end_weight_update()
             out = await client.generate(PROMPT, GREEDY)
             await client.destroy_weights_update_group()
             return out
@@ -157,9 +176,14 @@ def test_update_mid_generation_splits_the_version_spans():
             while (await client.get_server_info())["stats"]["generated_tokens"] < 20:
                 await asyncio.sleep(0.01)
             await client.pause_generation(mode="in_place")  # the SGLang refit sequence
-            await client.update_weights_from_tensor(
-                [encode_safetensors_payload(other)], load_format=SAFETENSORS_LOAD_FORMAT, weight_version="4"
-            )
+            await client.begin_weight_update()
+            with pytest.raises(EngineError, match="cache was not flushed"):  # 0.5.23: flush needs idle
+                await client.update_weights_from_tensor(
+                    [encode_safetensors_payload(other)], load_format=SAFETENSORS_LOAD_FORMAT, weight_version="4")
+            await client.update_weights_from_tensor(  # loaded either way; the pipeline never asks to flush here
+                [encode_safetensors_payload(other)], load_format=SAFETENSORS_LOAD_FORMAT, weight_version="4",
+                flush_cache=False)
+            await client.end_weight_update()
             await client.continue_generation()
             return await asyncio.wait_for(task, 60)
 

@@ -84,8 +84,9 @@ def _log_path(args: argparse.Namespace) -> Path | None:
     return None
 
 
-def serve(config: CPUEngineConfig, log_level: str = "warning") -> None:
-    """Load the model, serve until the first SIGINT / SIGTERM, then stop."""
+def serve(config: CPUEngineConfig, log_level: str = "warning") -> str | None:
+    """Load the model, serve until the first SIGINT / SIGTERM (or a fatal error, which SGLang's
+    scheduler would crash on: returned), then stop."""
     import uvicorn
 
     from megatron_sao.utils.console import console_out
@@ -110,6 +111,7 @@ def serve(config: CPUEngineConfig, log_level: str = "warning") -> None:
     uv_config = uvicorn.Config(create_app(engine), host=config.host, port=config.port, log_level=log_level,
                                lifespan="off", timeout_graceful_shutdown=5)
     server = EngineServer(uv_config)
+    engine.scheduler.on_fatal = lambda: setattr(server, "should_exit", True)
     engine.start()
     try:
         server.run()
@@ -119,6 +121,7 @@ def serve(config: CPUEngineConfig, log_level: str = "warning") -> None:
     # when the serving task ends in the same step (seen under load: exit code 0 instead of 130)
     if server.interrupted:
         raise KeyboardInterrupt
+    return engine.scheduler.fatal_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         if log is not None:
             print(f"CPU engine: third-party output goes to {log} (-v keeps it here)", file=console_err(), flush=True)
         try:
-            serve(_config(args), args.log_level)
+            fatal = serve(_config(args), args.log_level)
         except ValueError as e:
             print(f"cpu_engine: error: {e}", file=console_err(), flush=True)
             return 2
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
             print("cpu_engine: stopped", file=console_err(), flush=True)
             return 130
+        if fatal is not None:
+            print(f"cpu_engine: stopped: {fatal}", file=console_err(), flush=True)
+            return 1
     return 0
 
 

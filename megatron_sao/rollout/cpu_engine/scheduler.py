@@ -27,6 +27,7 @@ import torch
 from megatron_sao.rollout.cpu_engine.batching import SchedulerStats, length_groups
 from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
 from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
+from megatron_sao.rollout.cpu_engine.occupation import EngineFatal, MemoryOccupation
 from megatron_sao.rollout.cpu_engine.request import EngineRequest, abort_reason
 from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams
 from megatron_sao.rollout.cpu_engine.steps import needs_prefill, prefill, sample
@@ -59,6 +60,11 @@ class Scheduler:
         self.global_generator = torch.Generator().manual_seed(seed)
         self.stats = SchedulerStats()
         self.paused = False
+        self.memory = MemoryOccupation()
+        self.fatal_error: str | None = None
+        """Why the engine stopped itself (an operation SGLang 0.5.23 crashes on, occupation.py)."""
+        self.on_fatal: Callable[[], None] | None = None
+        """Called (from the scheduler thread) once a fatal error stopped the loop: the server exits."""
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
@@ -164,12 +170,23 @@ class Scheduler:
 
     def apply_weights(self, named: dict[str, torch.Tensor], weight_version: str | None) -> None:
         """Scheduler thread: copy HF-named tensors into the model, then bump the version."""
+        self.memory.check_weight_load()
         self.weight_map.copy_(named)
         if weight_version is not None:
             self.weight_version = str(weight_version)
 
-    def is_idle(self) -> bool:
-        return not self._waiting and not self._running
+    def fully_idle(self) -> bool:
+        """SGLang 0.5.23's `is_fully_idle(ignore_waiting=paused)` (what flush_cache, the cache flush
+        after a weight update and release_memory_occupation require): nothing running, and nothing
+        waiting unless generation is paused (retracted requests wait in the queue)."""
+        return not self._running and not self._admitting and (self.paused or not self._waiting)
+
+    def release_memory(self, tags: list[str] | None) -> list[str]:
+        """Scheduler thread: `release_memory_occupation` (occupation.py: fatal unless idle)."""
+        return self.memory.release(tags, self.fully_idle())
+
+    def resume_memory(self, tags: list[str] | None) -> list[str]:
+        return self.memory.resume(tags)
 
     def busy(self) -> bool:
         """Work in flight (read from other threads: a stale answer is harmless, it only decides
@@ -192,6 +209,11 @@ class Scheduler:
                 self._drain_commands(block=not has_work)
                 if self._stop.is_set() or self.paused or not (self._waiting or self._running):
                     continue
+                try:
+                    self.memory.check_step()
+                except EngineFatal as e:
+                    self._die(e)
+                    continue
                 self.step_started = time.monotonic()
                 self._admit()
                 if self._running:
@@ -203,9 +225,18 @@ class Scheduler:
         finally:
             self._fail_everything()
 
+    def _die(self, error: EngineFatal) -> None:
+        """Stop the loop as SGLang's scheduler stops on an exception (the server goes with it)."""
+        logger.error("CPU engine: fatal: %s; stopping (as SGLang's scheduler would)", error)
+        self.fatal_error = str(error)
+        self._stop.set()
+        if self.on_fatal is not None:
+            self.on_fatal()
+
     def _fail_everything(self) -> None:
         """Answer every request still held or queued (the loop has ended)."""
-        error = RuntimeError("the CPU engine is shutting down")
+        error = RuntimeError(f"the CPU engine stopped: {self.fatal_error}" if self.fatal_error
+                             else "the CPU engine is shutting down")
         for req in [*self._waiting, *self._running, *self._admitting]:
             req.fail(error)
         self._waiting.clear()
@@ -248,6 +279,10 @@ class Scheduler:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
+                except EngineFatal as e:
+                    future.set_exception(e)
+                    self._die(e)
+                    return
                 except Exception as e:
                     future.set_exception(e)
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from megatron_sao.rollout.cpu_engine.http_io import (
     register_error_handlers,
 )
 from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner, parse_dtype
+from megatron_sao.rollout.cpu_engine.occupation import EngineFatal
 from megatron_sao.rollout.cpu_engine.output import build_output
 from megatron_sao.rollout.cpu_engine.protocol import PromptLimits, parse_generate
 from megatron_sao.rollout.cpu_engine.request import EngineRequest
@@ -41,7 +43,12 @@ from megatron_sao.rollout.cpu_engine.weight_routes import register_weight_routes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default (http_server.py)
+
+
+def health_check_timeout_s() -> float:
+    """SGLang 0.5.23 reads SGLANG_HEALTH_CHECK_TIMEOUT (seconds, default 20); so does the CPU engine."""
+    return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,6 +99,8 @@ class CPUEngine:
             return_original_logprob=config.return_original_logprob,
         )
         self.groups: dict[str, Any] = {}
+        self.weight_session: str | None = None
+        """The selector of the open weight-update session (`/begin_weight_update`), None when closed."""
         self.started_at = time.time()
         self.limits = PromptLimits(
             context_length=self.runner.context_length,
@@ -163,18 +172,21 @@ def create_app(engine: CPUEngine) -> FastAPI:
     @app.get("/health")
     @app.get("/health_generate")
     async def health_generate():
-        """Answers at once under load: a busy engine is healthy while its steps keep finishing
-        (SGLang too answers from recent progress); only an idle engine runs a one-token probe."""
+        """SGLang 0.5.23's probe is a one-token generate request, which waits while generation is
+        paused (`TokenizerManager.generate_request` waits on `is_pause_cond`): a paused engine
+        answers 503 after the health timeout unless it continues meanwhile. Otherwise it answers
+        at once under load (a busy engine is healthy while its steps keep finishing; SGLang too
+        answers from recent progress); only an idle engine runs a one-token probe."""
         if not sched.alive:
             return Response(status_code=503)
-        if sched.busy():
-            return Response(status_code=200 if sched.stepping_within(HEALTH_CHECK_TIMEOUT_S) else 503)
-        if sched.paused:  # SGLang's probe would queue behind the pause; liveness is what we can say
-            try:
-                await asyncio.wait_for(on_scheduler(lambda: None), HEALTH_CHECK_TIMEOUT_S)
-            except (TimeoutError, RuntimeError):
+        timeout_s = health_check_timeout_s()
+        deadline = time.monotonic() + timeout_s
+        while sched.paused:
+            if time.monotonic() >= deadline or not sched.alive:
                 return Response(status_code=503)
-            return Response(status_code=200)
+            await asyncio.sleep(min(0.05, timeout_s))
+        if sched.busy():
+            return Response(status_code=200 if sched.stepping_within(timeout_s) else 503)
         probe = EngineRequest(
             rid=f"HEALTH_CHECK_{time.time()}",
             input_ids=[0],
@@ -183,35 +195,49 @@ def create_app(engine: CPUEngine) -> FastAPI:
         )
         sched.submit(probe)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(probe.future), HEALTH_CHECK_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.wrap_future(probe.future), max(deadline - time.monotonic(), 0.01))
         except (TimeoutError, RuntimeError, ValueError):
             sched.call(lambda: sched.abort(rid=probe.rid, exact=True))
             return Response(status_code=503)
         failed = (probe.finish_reason or {}).get("status_code") == 500
         return Response(status_code=503 if failed else 200)
 
-    @app.get("/get_model_info")
-    async def get_model_info():
+    @app.get("/model_info")
+    async def model_info():
+        """The keys of 0.5.23's `/model_info` (http_server.py `model_info`); the weight version is
+        read here (there is no `/get_weight_version` in 0.5.23)."""
+        config = engine.runner.model.config
         return {
             "model_path": engine.runner.model_path,
+            "served_model_name": engine.runner.model_path,
             "tokenizer_path": engine.runner.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": sched.weight_version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
         }
 
-    @app.get("/get_weight_version")
-    async def get_weight_version():
-        return {"weight_version": sched.weight_version}
+    @app.get("/get_model_info")  # deprecated alias in 0.5.23
+    async def get_model_info():
+        return await model_info()
 
-    @app.get("/get_server_info")
-    async def get_server_info():
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # deprecated alias in 0.5.23
+    async def server_info():
         stats = sched.stats
         return {
             "model_path": engine.runner.model_path,
             "weight_version": sched.weight_version,
             "max_running_requests": sched.max_running_requests,
             "paused": sched.paused,
+            "released_memory": sorted(sched.memory.released),
             "engine": "megatron_sao.cpu_engine",
             "uptime_s": time.time() - engine.started_at,
             "internal_states": [sched.load()],
@@ -244,18 +270,33 @@ def create_app(engine: CPUEngine) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        # There is no prefix cache to flush; SGLang refuses while requests are in flight.
-        idle = await on_scheduler(sched.is_idle)
+        # There is no prefix cache to flush; SGLang 0.5.23 refuses unless fully idle (requests
+        # paused in place still hold their KV; retracted ones do not).
+        idle = await on_scheduler(sched.fully_idle)
         return Response(
             content="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n",
             status_code=200 if idle else 400,
         )
 
+    async def occupation(http: Request, op: Callable[[list[str] | None], list[str]]) -> Response:
+        """CPU: nothing to free, but SGLang's rules hold (occupation.py); a misuse stops the engine."""
+        tags = (await json_object_body(http)).get("tags")
+        if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise ValueError(f"tags must be a list of strings or null, got {tags!r:.60}")
+        try:
+            await on_scheduler(lambda: op(tags))
+        except EngineFatal as e:
+            return error_response(str(e), 500)
+        return JSONResponse(None)  # 0.5.23 answers null on success
+
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(http: Request):
+        return await occupation(http, sched.release_memory)
+
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def memory_occupation():
-        return JSONResponse(None)  # CPU: nothing to release (ARCHITECTURE.md, "CPU" topology)
+    async def resume_memory_occupation(http: Request):
+        return await occupation(http, sched.resume_memory)
 
     register_weight_routes(app, engine, on_scheduler)
     return app

@@ -22,6 +22,8 @@ class ServerThread:
         uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning", lifespan="off",
                                    timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(uv_config)
+        # A fatal error (what SGLang's scheduler crashes on) takes the server down, as in SGLang.
+        self.engine.scheduler.on_fatal = lambda: setattr(self.server, "should_exit", True)
         self._thread = threading.Thread(target=self.server.run, name="cpu-engine-http", daemon=True)
         self.url = f"http://{config.host}:{config.port}"
 

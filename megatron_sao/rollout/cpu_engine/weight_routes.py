@@ -1,12 +1,21 @@
 """The CPU engine's weight endpoints: SGLang's refit API (from disk, from tensor, from a
-distributed group) and `update_weight_version`.
+distributed group), the weight-update session and `update_weight_version`.
 
-Request and response bodies follow SGLang's `UpdateWeightFromDiskReqInput`,
+Request and response bodies follow SGLang 0.5.23's `UpdateWeightFromDiskReqInput`,
 `UpdateWeightsFromTensorReqInput`, `InitWeightsUpdateGroupReqInput`,
-`UpdateWeightsFromDistributedReqInput` and `UpdateWeightVersionReqInput`. Every update is
-validated in full (names, shapes) before the first tensor is written, then applied on the
-scheduler thread between two decode steps; `weight_version` (when given) changes with it.
-`flush_cache` is accepted and is a no-op (no prefix cache).
+`UpdateWeightsFromDistributedReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`
+and `UpdateWeightVersionReqInput` (`managers/io_struct.py`). Every update is validated in full
+(names, shapes) before the first tensor is written, then applied on the scheduler thread between
+two decode steps; `weight_version` (when given) changes with it.
+
+What 0.5.23 enforces, enforced here (`managers/scheduler_components/weight_updater.py`):
+- tensor and distributed updates run only inside a session opened by `/begin_weight_update` and
+  closed by `/end_weight_update` (400 with SGLang's message otherwise); disk updates need none;
+  a second begin, or an end without a begin, is refused;
+- `flush_cache` (default true) after an update fails the call unless the engine is idle
+  (`flush_cache_after_weight_update`: the weights are loaded, the cache is not flushed); there
+  is no prefix cache to flush, so nothing else happens;
+- loading into released weights stops the engine (occupation.py).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from megatron_sao.rollout.cpu_engine.occupation import EngineFatal
 from megatron_sao.rollout.cpu_engine.weights import read_hf_checkpoint
 from megatron_sao.rollout.weight_transfer import (
     DEFAULT_GROUP_NAME,
@@ -30,6 +40,15 @@ from megatron_sao.rollout.weight_transfer import (
 
 if TYPE_CHECKING:
     from megatron_sao.rollout.cpu_engine.server import CPUEngine
+
+
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
+               "Retract or finish them, then call /flush_cache.")  # 0.5.23 flush_cache_after_weight_update
+
+
+def outside_session(route: str) -> str:
+    """0.5.23's refusal of a tensor / distributed update without an open session."""
+    return f"{route} must run between begin_weight_update() and end_weight_update()"
 
 
 def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
@@ -57,10 +76,37 @@ def register_weight_routes(
             await on_scheduler(lambda: sched.apply_weights(named, None if version is None else str(version)))
         except (ValueError, NotImplementedError) as e:
             return False, str(e)
+        if body.get("flush_cache", True) and not await on_scheduler(sched.fully_idle):
+            return False, NOT_FLUSHED
         message = "Succeeded to update model weights."
         if version is not None:
             message += f" Weight version updated to {version}."
         return True, message
+
+    async def fatal_or(result: Awaitable[tuple[bool, str]]) -> JSONResponse:
+        """A load into released weights stops the engine (as SGLang crashes): 500."""
+        try:
+            return _result(*await result)
+        except EngineFatal as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=500)
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(http: Request):
+        selector = (await _body(http)).get("selector", "all")
+        if selector not in ("target", "draft", "all"):
+            raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+        if engine.weight_session is not None:
+            return _result(False, "a weight-update session is already open; call end_weight_update() first")
+        engine.weight_session = selector
+        return _result(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(http: Request):
+        await _body(http)
+        if engine.weight_session is None:
+            return _result(False, "no weight-update session is open; call begin_weight_update() first")
+        engine.weight_session = None
+        return _result(True, "Success")
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(http: Request):
@@ -76,7 +122,10 @@ def register_weight_routes(
                 raise ValueError(f"the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[:5]}")
         except ValueError as e:
             return _result(False, str(e), num_paused_requests=0)
-        ok, message = await apply(named, body)
+        try:
+            ok, message = await apply(named, body)
+        except EngineFatal as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=500)
         if ok:
             engine.runner.model_path = str(body["model_path"])
         return _result(ok, message, num_paused_requests=0)
@@ -85,6 +134,8 @@ def register_weight_routes(
     async def update_weights_from_tensor(http: Request):
         try:
             body = await _body(http)
+            if engine.weight_session is None:
+                return _result(False, outside_session("update_weights_from_tensor"))
             if body.get("load_format") != SAFETENSORS_LOAD_FORMAT:
                 raise ValueError(
                     "the CPU engine reads load_format='safetensors' payloads only (SGLang's default payload "
@@ -97,7 +148,7 @@ def register_weight_routes(
             named = await asyncio.to_thread(decode_safetensors_payload, payloads[0])
         except ValueError as e:
             return _result(False, str(e))
-        return _result(*await apply(named, body))
+        return await fatal_or(apply(named, body))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(http: Request):
@@ -124,6 +175,8 @@ def register_weight_routes(
     async def update_weights_from_distributed(http: Request):
         try:
             body = await _body(http)
+            if engine.weight_session is None:
+                return _result(False, outside_session("update_weights_from_distributed"))
             group = engine.groups.get(str(body.get("group_name", DEFAULT_GROUP_NAME)))
             if group is None:
                 raise ValueError(f"no weight update group {body.get('group_name', DEFAULT_GROUP_NAME)!r}")
@@ -146,7 +199,7 @@ def register_weight_routes(
             await asyncio.to_thread(receive)
         except RuntimeError as e:
             return _result(False, f"broadcast failed: {e}")
-        return _result(*await apply(named, body))
+        return await fatal_or(apply(named, body))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(http: Request):
