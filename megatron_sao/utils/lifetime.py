@@ -17,6 +17,10 @@ every child notices its parent's death itself, and takes its own children along:
   parent is killed go with it (Megatron's torch_dist writer starts a multiprocessing Manager server
   per rank, `megatron/core/dist_checkpointing/strategies/filesystem_async.py`
   `get_write_results_queue`).
+- `reap_with_this_process(roots)`: a keeper that tracks processes and their descendants and
+  SIGKILLs them when this process ends, for a library whose own watch is slow (a local Ray
+  instance: its dashboard and runtime-env agents notice the raylet's death but then wait up to
+  60 s to report it to the dead GCS, `ray/_private/process_watcher.py` `report_raylet_error_logs`).
 - `run_id()`: SAO_RUN_ID, set once in the driver and inherited by every process of the run (Ray's
   too), so that `grep -l SAO_RUN_ID=<id> /proc/*/environ` finds them.
 
@@ -58,6 +62,7 @@ KEEPER = os.path.abspath(__file__)
 _POLL_S = 0.5  # without pidfds
 _TERMINATING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _group_keeper: subprocess.Popen | None = None
+_reapers: list[subprocess.Popen] = []
 
 
 def run_id() -> str:
@@ -187,7 +192,66 @@ def lead_process_group() -> bool:
     return True
 
 
+def children(pid: int | None = None) -> set[int]:
+    """The live children of process `pid` (default: this one)."""
+    parent = os.getpid() if pid is None else pid
+    return {child for child, ppid in _parents().items() if ppid == parent}
+
+
+def reap_with_this_process(roots: set[int]) -> subprocess.Popen | None:
+    """A keeper that tracks the processes `roots` and their descendants (pidfds, refreshed every
+    second) and SIGKILLs every one still alive when this process ends; it exits by itself once
+    they have all ended. For what a library starts and watches too slowly: the processes of a
+    local Ray instance (see `platform/ray_ranks.connect_ray`)."""
+    if not roots:
+        return None
+    _reapers[:] = [r for r in _reapers if r.poll() is None]  # held, so that none is collected while running
+    _reapers.append(subprocess.Popen(
+        [sys.executable, "-I", "-S", "-B", KEEPER, "--parent", str(os.getpid()), "--grace", "0",
+         "--tree", ",".join(map(str, sorted(roots)))], stdin=subprocess.DEVNULL, start_new_session=True))
+    return _reapers[-1]
+
+
 # ---- the keeper (this file as a script) -----------------------------------------------------------
+
+def _reap_tree(parent: int, roots: list[int]) -> int:
+    """Track `roots` and their descendants until `parent` ends (then SIGKILL them) or they all have."""
+    for sig in _TERMINATING:
+        signal.signal(sig, lambda *_: None)
+    parent_fd = _pidfd(parent)
+    tracked: dict[int, int] = {}
+    for pid in roots:
+        fd = _pidfd(pid)
+        if fd is not None:
+            tracked[pid] = fd
+    while tracked:
+        if os.getppid() != parent or (parent_fd is not None and parent_fd in _readable([parent_fd])):
+            for fd in tracked.values():
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            return 137
+        ended = set(_readable(list(tracked.values())))
+        for pid, fd in list(tracked.items()):
+            if fd in ended:
+                os.close(fd)
+                del tracked[pid]
+        by_parent: dict[int, list[int]] = {}
+        for pid, ppid in _parents().items():
+            by_parent.setdefault(ppid, []).append(pid)
+        frontier = list(tracked)
+        while frontier:  # descendants not yet tracked (pidfds: a pid reused later is not ours)
+            for child in by_parent.get(frontier.pop(), []):
+                fd = None if child in tracked or child == os.getpid() else _pidfd(child)
+                if fd is not None:
+                    tracked[child] = fd
+                    frontier.append(child)
+        if parent_fd is not None:
+            _wait_readable([parent_fd], 1.0)
+        else:
+            time.sleep(1.0)
+    return 0
+
+
 
 def _keep(parent: int, grace_s: float, cmd: list[str]) -> int:
     """Run `cmd` (if any) and exit as it does; when `parent` ends first, end this process group
@@ -261,6 +325,19 @@ def _exit_like(returncode: int) -> int:
 
 # ---- helpers ---------------------------------------------------------------------------------------
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (zombies included)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    found[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone while we looked
+                continue
+    return found
+
+
 def _pidfd(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
@@ -292,15 +369,17 @@ def _say(message: str) -> None:
 
 
 def _main(argv: list[str]) -> int:
-    """`python -I -S lifetime.py --parent PID --grace S [-- CMD ...]`."""
+    """`python -I -S lifetime.py --parent PID [--grace S] [--tree PID,PID] [-- CMD ...]`."""
     cmd: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, cmd = argv[:cut], argv[cut + 1:]
     options = dict(zip(argv[::2], argv[1::2], strict=False))
     if len(argv) % 2 or "--parent" not in options:
-        _say("usage: lifetime.py --parent PID [--grace SECONDS] [-- CMD ...]")
+        _say("usage: lifetime.py --parent PID [--grace SECONDS] [--tree PID,PID] [-- CMD ...]")
         return 2
+    if "--tree" in options:
+        return _reap_tree(int(options["--parent"]), [int(p) for p in options["--tree"].split(",") if p])
     return _keep(int(options["--parent"]), float(options.get("--grace", DEFAULT_GRACE_S)), cmd)
 
 
