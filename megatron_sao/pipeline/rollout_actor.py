@@ -156,6 +156,9 @@ class RolloutActor(RolloutHost):
     The engine hosts are created from here, in the run's placement group (`make_supervisor`)."""
 
     def __init__(self, config: SaoConfig, run_dir: str, make_supervisor: Callable[[Any], Any] | None) -> None:
+        from megatron_sao.utils.lifetime import lead_process_group
+
+        lead_process_group()  # environment processes, reward pools: they end with this actor's worker
         logging.basicConfig(level=logging.INFO, force=True,
                             format="%(asctime)s [rollout] %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine request otherwise

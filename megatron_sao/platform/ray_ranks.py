@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_sao.platform.spawn import RankFailed, configure_rank_process
+from megatron_sao.utils import lifetime
 
 
 def connect_ray(address: str = "", min_cpus: float = 0.0) -> bool:
@@ -37,11 +38,19 @@ def connect_ray(address: str = "", min_cpus: float = 0.0) -> bool:
 
     if ray.is_initialized():
         return False
+    lifetime.run_id()  # Ray's processes inherit the run's tag
     quiet = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
     if address:
         ray.init(address=address, **quiet)
     else:
+        # A local instance dies with this process: Ray starts GCS and raylet with PR_SET_PDEATHSIG
+        # (ray/_private/services.py start_ray_process -> utils.set_kill_on_parent_death_linux;
+        # node.py kernel_fate_share; it follows the calling thread: drivers call this from their
+        # main thread) and workers exit when the raylet is gone; but its dashboard and runtime-env
+        # agents then wait up to 60 s to report that to the dead GCS, so a keeper ends them at once.
+        before = lifetime.children()
         ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), **quiet)
+        lifetime.reap_with_this_process(lifetime.children() - before)
     return True
 
 
@@ -61,6 +70,7 @@ class _RankWorker:
         return os.getpid()
 
     def run(self, env: dict[str, str], threads: int, fn: Callable[..., Any], args: tuple) -> Any:
+        lifetime.lead_process_group()  # what the rank starts ends with it, even if its worker is killed
         os.environ.update(env)
         rank = int(env["RANK"])
         configure_rank_process(rank, threads)

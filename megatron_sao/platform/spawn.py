@@ -8,6 +8,7 @@ an exception on any rank is re-raised here with that rank's traceback.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import pickle
 import queue as queue_module
@@ -19,6 +20,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from megatron_sao.platform.distributed import free_port
+from megatron_sao.utils import lifetime
 
 
 class RankFailed(RuntimeError):
@@ -54,6 +56,10 @@ def _port_taken(error: BaseException) -> bool:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
+    # Ends with the driver, and takes what it starts along (utils/lifetime.py). The driver's thread
+    # that started this process waits in `_launch` for it, but a pidfd watch is exact regardless.
+    lifetime.lead_process_group()
+    lifetime.die_with_parent(multiprocessing.parent_process().pid, grace_s=0)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -97,6 +103,7 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple,
             timeout_s: float) -> tuple[dict[int, Any], list[str], bool]:
     """One launch on a fresh port: (results by rank, failures, whether the port was taken)."""
     ctx = mp.get_context("spawn")
+    lifetime.run_id()  # the ranks inherit the run's tag
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
@@ -106,6 +113,7 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple,
     results: dict[int, Any] = {}
     failures: list[str] = []
     port_taken = False
+    finished = False
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and not failures:
@@ -125,9 +133,10 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple,
             else:
                 port_taken = status == "port_taken"
                 failures.append(f"rank {rank} failed:\n{payload}")
-    finally:
+        finished = True
+    finally:  # every rank ends here (its keeper then ends what it started), even when this call is interrupted
         for p in procs:
-            p.join(timeout=5 if failures else 60)
+            p.join(timeout=60 if finished and not failures else 5)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -8,7 +8,8 @@ the `EnginePool` stops routing to a dead engine and re-sends its in-flight calls
 routes to it again once it answers. A restarted engine starts from `model_path` at
 `weight_version`; `set_weights()` moves both forward as the pipeline publishes checkpoints (an
 engine refit from tensors or a process group needs the pipeline's `on_restart` callback to push
-the current weights again).
+the current weights again). Engines end with the process that started them, however it ends
+(utils/lifetime.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import IO, Literal
 
 import httpx
+
+from megatron_sao.utils.lifetime import start_child, stop_groups
 
 logger = logging.getLogger(__name__)
 
@@ -257,12 +260,14 @@ class EngineSupervisor:
             if handle.log_file is None:
                 handle.log_file = open(self._log_path(handle), "ab")  # noqa: SIM115
             stdout = handle.log_file
-        handle.process = subprocess.Popen(
+        # A session of its own (stop() ends the engine's children too) that ends with this process
+        # however it ends: the CPU engine watches us itself, SGLang's server runs under a keeper.
+        handle.process = start_child(
             self.command(handle.index, handle.port),
             env=self.environment(),
+            watches_parent=self.config.backend == "cpu",
             stdout=stdout,
             stderr=subprocess.STDOUT if stdout is not None else None,
-            start_new_session=True,  # its own process group: stop() ends the engine's children too
         )
         logger.info("engine %d: pid %d on %s", handle.index, handle.process.pid, handle.url)
 
@@ -352,19 +357,8 @@ class EngineSupervisor:
             self._monitor.join(timeout=timeout_s)
             self._monitor = None
         with self._lock:
-            for handle in self.engines:  # the group may outlive its leader: signal it regardless
-                if handle.process is not None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(handle.process.pid, signal.SIGTERM)
+            stop_groups([h.process for h in self.engines if h.process is not None], timeout_s)
             for handle in self.engines:
-                if handle.process is None:
-                    continue
-                try:
-                    handle.process.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(handle.process.pid, signal.SIGKILL)
-                    handle.process.wait()
                 if handle.log_file is not None:
                     handle.log_file.close()
                     handle.log_file = None

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_sao.rollout.sandbox_config import SandboxConfig
+from megatron_sao.utils.lifetime import RUN_ID_ENV, run_id
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +141,10 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, *,
         "exposed_paths": list(_interpreter_paths(cfg.python)),
     }
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", _INIT_SCRIPT], stdin=subprocess.PIPE,
+        proc = subprocess.Popen(  # the supervisor stops the sandbox when this process ends (its argument)
+            [sys.executable, "-I", "-S", "-B", _INIT_SCRIPT, str(os.getpid())], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd="/",
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", RUN_ID_ENV: run_id()},
         )
     except OSError as e:
         shutil.rmtree(host_scratch, ignore_errors=True)

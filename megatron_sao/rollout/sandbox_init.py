@@ -5,7 +5,8 @@ so nothing from the project or the user's environment is imported while we still
 and writes one JSON spec to its stdin. Three processes follow:
 
     S  supervisor   unshares the network / mount / PID namespaces, enforces the wall clock
-                    (SIGALRM), answers SIGTERM from the parent, sweeps leftovers when there is
+                    (SIGALRM), answers SIGTERM from the parent (and, through PDEATHSIG, the
+                    parent's death), sweeps leftovers when there is
                     no PID namespace, reports JSON status lines on stderr.
     I  init         first process of the new PID namespace (PID 1): mounts a fresh /proc, masks
                     home directories, makes every mount read-only, mounts the private tmpfs
@@ -318,6 +319,12 @@ def _reap_leftovers(init: int, uid: int | None) -> None:
 
 
 def main() -> None:
+    # The caller ending (killed, or its run torn down) is a stop request, answered below as the
+    # caller's SIGTERM is. PDEATHSIG follows the thread that started us: it waits for us in
+    # run_python, so here it is exact.
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if len(sys.argv) > 1 and os.getppid() != int(sys.argv[1]):
+        return  # the caller died before the line above took effect
     spec = json.loads(sys.stdin.buffer.read())
     os.umask(0o022)
     missing: dict[str, str] = {}

@@ -4,6 +4,9 @@ Prints `ready on http://HOST:PORT` once it serves. Stops on the first SIGINT / S
 in flight are answered (503) and the process exits. Third-party output (transformers, uvicorn,
 torch) goes to `--log-file`; without it, to a file in the temp directory when stderr is a
 terminal, and stays on stderr otherwise (a launcher that captures it, as rollout/engine_supervisor.py does).
+
+Started by an engine supervisor (SAO_PARENT_PID set), it also stops when that process is gone,
+however it ended (utils/lifetime.py `die_with_parent`).
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ def serve(config: CPUEngineConfig, log_level: str = "warning") -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_sao.utils.console import console_err, quiet_output
+    from megatron_sao.utils.lifetime import die_with_parent
 
+    die_with_parent()  # started by an engine supervisor (SAO_PARENT_PID): stop when it is gone
     args = build_parser().parse_args(argv)
     log = _log_path(args)
     with quiet_output(log) if log is not None else contextlib.nullcontext():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import shlex
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.rollout.environment import Environment, PromptSample, StepResult
+from megatron_sao.utils.lifetime import keeper_command
 
 _LOG_TAIL_CHARS = 600
 
@@ -175,9 +177,14 @@ class OpenAIScaffoldEnvironment(Environment):
 
 
 async def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float, log: Path) -> tuple[int, bool]:
-    """(exit code, timed out) of `argv`, output to `log`; its whole process group dies with it."""
+    """(exit code, timed out) of `argv`, output to `log`; its whole process group dies with it, and
+    with this process (a keeper, utils/lifetime.py)."""
+    program = argv[0] if os.sep in argv[0] else shutil.which(argv[0], path=env.get("PATH", os.defpath))
+    if program is None or not os.access(cwd / program, os.X_OK):  # as exec would say, not the keeper's 127
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
     with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
+        proc = await asyncio.create_subprocess_exec(*keeper_command(argv), cwd=cwd, env=env,
+                                                    stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=out, stderr=asyncio.subprocess.STDOUT,
                                                     start_new_session=True)
     try:
