@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import yaml
 
+from megatron_sao.utils.args import SaoArgumentParser
+
 OVERRIDES_HELP = ("dotted overrides of recipe values, e.g. actor.optim.lr=2e-6 parallelism.tensor=2 "
                   "critic.frozen=[attention,router]; see `sao config describe`")
 
@@ -66,7 +68,7 @@ def _cmd_config_describe(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SaoArgumentParser(
         prog="sao",
         description="megatron-sao: SAO (Single-rollout Asynchronous Optimization) actor-critic RL "
                     "for MoE LLMs on Megatron-Core.",

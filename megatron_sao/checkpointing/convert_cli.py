@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron_sao.checkpointing.families import FAMILIES
 from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.utils.args import SaoArgumentParser
 from megatron_sao.utils.console import console_out, log_path_for, run_command
 
 _LAYOUT_HELP = """
@@ -230,7 +231,7 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone `sao`-like entry (for tools/convert_*.py), with `sao`'s exit codes."""
-    parser = argparse.ArgumentParser(prog="sao")
+    parser = SaoArgumentParser(prog="sao")
     parser.add_argument("-v", "--verbose", action="store_true", help="third-party output on the terminal")
     add_convert_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -9,31 +9,55 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 DEFAULT_GPU = "h100-80g"
+
+
+def plan_architecture(hf: dict[str, Any]) -> dict[str, int | None]:
+    """The numbers a parallel layout must divide, from a config.json (`load_hf_config`), as the
+    parameter census reads them (multi-head latent attention has no query groups)."""
+    def first(*keys: str) -> int | None:
+        return next((int(hf[k]) for k in keys if hf.get(k)), None)
+
+    heads = int(hf["num_attention_heads"])
+    return {"num_layers": int(hf["num_hidden_layers"]), "num_attention_heads": heads,
+            "num_query_groups": None if hf.get("kv_lora_rank") else first("num_key_value_heads") or heads,
+            "num_experts": first("num_experts", "n_routed_experts", "num_local_experts"),
+            "moe_ffn_hidden_size": first("moe_intermediate_size")}
+
+
+def check_recipe_layout(config: Any, source: str) -> dict[str, Any]:
+    """What `sao plan` refuses before it counts anything, and `sao launch slurm` checks before it
+    writes a script: a config.json that is malformed or of an architecture the project cannot
+    convert or train (the supported families named), a layout the model cannot be split into
+    (heads / TP, experts / EP, EP on a dense model, layers / PP), and more GPUs than the nodes have.
+    Returns the HF config; ConfigError / ValueError naming the file, field or key."""
+    from megatron_sao.checkpointing.families import family_of
+    from megatron_sao.config.validate import validate_against_model
+    from megatron_sao.planning import load_hf_config
+    from megatron_sao.planning.placement import gpu_layout
+
+    hf = load_hf_config(config.model)
+    where = str(Path(config.model.hf_path) / "config.json") if config.model.hf_path else "the tiny model's config"
+    family_of(hf, f"model.hf_path: {where}")
+    validate_against_model(config, plan_architecture(hf), source=source)
+    gpu_layout(config)
+    return hf
 
 
 def build_plan(recipe: str, overrides: list[str], gpu_name: str | None = None, avg_tokens: int | None = None,
                mfu: float = 0.3) -> tuple[dict[str, Any], str]:
     """(the plan as a dict, its text) for `recipe` + `overrides`; ConfigError / ValueError on user errors."""
     from megatron_sao.config import load_config
-    from megatron_sao.config.validate import validate_against_model
-    from megatron_sao.planning import census_from_hf_config, gpu_spec, load_hf_config, plan_memory
+    from megatron_sao.planning import census_from_hf_config, gpu_spec, plan_memory
     from megatron_sao.planning.compute import estimate_compute
     from megatron_sao.planning.report import plan_dict, plan_text
 
     config = load_config(recipe, overrides)
     gpu = gpu_spec(gpu_name or config.launcher.gpu_type or DEFAULT_GPU)
-    hf = load_hf_config(config.model)
-    census = census_from_hf_config(hf)
-    validate_against_model(config, {
-        "num_layers": census.num_layers,
-        "num_attention_heads": census.num_heads,
-        "num_query_groups": census.kv_heads,
-        "num_experts": census.num_experts or None,
-        "moe_ffn_hidden_size": census.moe_ffn_hidden or None,
-    }, source=recipe)
+    census = census_from_hf_config(check_recipe_layout(config, source=recipe))
     memory = plan_memory(config, census, gpu)
     compute = estimate_compute(config, census, gpu, memory.layout.trainer_gpus, avg_tokens, mfu)
     return plan_dict(config, census, memory, compute), plan_text(recipe, config, census, memory, compute)

@@ -85,6 +85,10 @@ def check_trajectory_source(config: SaoConfig, mode: str) -> None:
         raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
     elif not Path(config.data.trajectories_path).is_file():
         raise ValueError(f"data.trajectories_path={config.data.trajectories_path!r}: no such file")
+    else:
+        from megatron_sao.rollout.recorded import check_trajectory_file
+
+        check_trajectory_file(config.data.trajectories_path)  # empty, no rows, wrong schema: here, not on ranks
 
 
 def prepare_resume(config: SaoConfig, run_dir: Path) -> tuple[Path | None, int | None]:
@@ -190,9 +194,11 @@ class _RecordedSource:
     """A recorded trajectory file as the trainer loop's source (every rank reads the file)."""
 
     def __init__(self, config: SaoConfig) -> None:
+        from megatron_sao.models.build import model_vocab_size
         from megatron_sao.rollout.recorded import RecordedTrajectories
 
-        self.data = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size)
+        self.data = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size,
+                                         vocab_size=model_vocab_size(config))
 
     def describe(self) -> str:
         return f"{len(self.data)} trajectories from {self.data.path} ({self.data.report.summary()})"
@@ -262,10 +268,11 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
     """Run the job on `launcher.nproc_per_node` local processes (or Ray actors, or srun tasks).
     Returns (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
+    from megatron_sao.jobs.preflight import check_train_job
     from megatron_sao.platform import run_distributed
     from megatron_sao.utils.run_logging import run_dir_of
 
-    check_trajectory_source(config, mode)
+    check_train_job(config, mode)
     if config.launcher.ray:
         return _run_train_ray(config, mode)
     if config.launcher.kind == "slurm":  # inside a Slurm job: the ranks are srun tasks on every node

@@ -33,14 +33,14 @@ def run_pretrain(config: SaoConfig) -> tuple[int, dict[str, Any], Path]:
     inside a Slurm job, on srun tasks over the allocation's nodes. Returns (exit code, rank 0's
     result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
+    from megatron_sao.jobs.preflight import check_value_pretrain_job
     from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, prepare_resume
     from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.platform import run_distributed
     from megatron_sao.utils.run_logging import run_dir_of
-    from megatron_sao.valuepretrain.settings import check_value_pretrain_config
     from megatron_sao.valuepretrain.train_loop import pretrain_rank
 
-    check_value_pretrain_config(config, for_training=True)
+    check_value_pretrain_job(config)
     on_slurm = config.launcher.kind == "slurm"
     if not on_slurm and config.launcher.nnodes != 1:
         raise ValueError(f"launcher.nnodes={config.launcher.nnodes} with launcher.kind=local: several nodes need "

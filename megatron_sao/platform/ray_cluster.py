@@ -12,12 +12,12 @@ barrier the job script runs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass
 
 from megatron_sao.platform.slurm import PortBlock
+from megatron_sao.utils.args import SaoArgumentParser
 
 # Offsets in the job's port block (the rest: torch.distributed master, engines, see jobs/launch.py).
 GCS = 0
@@ -109,7 +109,7 @@ def wait_for_nodes(address: str, expected: int, cpus_per_node: int, gpus_per_nod
 
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_sao.platform.ray_cluster")
+    parser = SaoArgumentParser(prog="python -m megatron_sao.platform.ray_cluster")
     sub = parser.add_subparsers(dest="cmd", required=True)
     wait = sub.add_parser("wait", help="join barrier: wait for N nodes with the expected resources")
     wait.add_argument("--address", required=True)

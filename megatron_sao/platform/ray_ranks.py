@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_sao.platform.spawn import RankFailed, configure_rank_process
+from megatron_sao.platform.spawn import RankFailed, configure_rank_process, rank_failure, user_error_of
 
 
 def connect_ray(address: str = "", min_cpus: float = 0.0) -> bool:
@@ -130,7 +130,7 @@ class RayRanks:
                     results[rank] = ray.get(ref)
                 except Exception as error:  # RayTaskError carries the rank's traceback
                     self.kill()
-                    raise RankFailed(f"rank {rank} failed:\n{error}") from None
+                    raise rank_failure([(rank, str(error), user_error_of(getattr(error, "cause", None)))]) from None
             if pending and time.monotonic() > deadline:
                 self.kill()
                 raise RankFailed(f"timed out after {timeout_s:.0f} s waiting for ranks "
