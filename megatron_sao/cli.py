@@ -25,6 +25,8 @@ OVERRIDES_HELP = ("dotted overrides of recipe values, e.g. actor.optim.lr=2e-6 p
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML file (see recipes/)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    parser.add_argument("--log-file", help="where third-party output of the checks before the run goes (default: a "
+                                           "new file in the temp directory); -v keeps it on the terminal")
 
 
 def _load(args: argparse.Namespace):
@@ -87,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "resumes from the latest checkpoint there (checkpoint.resume=auto). SIGTERM/SIGINT: "
                     "checkpoint, then exit 143.")
     _add_recipe_args(train)
-    train.set_defaults(func=_cmd_train)
+    train.set_defaults(func=_cmd_train, quiet_log="until_started")
 
     sft = sub.add_parser(
         "sft", help="supervised fine-tuning of the actor on recorded trajectories",
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "layout and resume rules as `sao train`. RL starts from the result with "
                     "actor.load=RUN_DIR/checkpoints.")
     _add_recipe_args(sft)
-    sft.set_defaults(func=_cmd_sft)
+    sft.set_defaults(func=_cmd_sft, quiet_log="until_started")
 
     config = sub.add_parser("config", help="show a resolved recipe or describe config keys",
                             description="Inspect configuration.")

@@ -64,15 +64,10 @@ def build_plan(recipe: str, overrides: list[str], gpu_name: str | None = None, a
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import sys
+    from megatron_sao.utils.console import show_output
 
-    from megatron_sao.config import ConfigError
-
-    try:
-        result, text = build_plan(args.recipe, args.overrides, args.gpu, args.avg_tokens, args.mfu)
-    except (ConfigError, ValueError) as e:
-        print(f"sao plan: {'config error: ' if isinstance(e, ConfigError) else ''}{e}", file=sys.stderr)
-        return 2
+    result, text = build_plan(args.recipe, args.overrides, args.gpu, args.avg_tokens, args.mfu)
+    show_output()
     print(json.dumps(result, indent=2) if args.json else text, flush=True)
     return 0 if result["fits"] else 1
 
@@ -80,13 +75,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `sao plan` on the `sao` sub-command parsers."""
     from megatron_sao.planning.gpus import GPUS
+    from megatron_sao.utils.args import float_in, int_at_least
 
     plan = subparsers.add_parser(
         "plan", help="parameter counts, per-GPU memory and a fits / does-not-fit verdict for a recipe",
         description="Plan a recipe before queueing it: parameter counts (total / active, actor / critic, MTP "
                     "apart), per-GPU memory of weights, gradients, optimizer states, activations, engine "
                     "weights and KV cache in the recipe's placement, a compute estimate per step and a "
-                    "verdict. Needs only the model's config.json. Exit 0 fits, 1 does not fit, 2 config error. "
+                    "verdict. Needs only the model's config.json. Refuses (exit 2) a malformed config.json, an "
+                    "architecture the project cannot convert or train (the supported families are named), and a "
+                    "layout the model or the nodes cannot hold (expert parallelism on a dense model included). "
+                    "Exit 0 fits, 1 does not fit, 2 config error. "
                     "The memory model is described in docs/planning.md.",
     )
     plan.add_argument("recipe", help="recipe YAML file (see recipes/)")
@@ -94,9 +93,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--gpu", choices=sorted(GPUS), default=None,
                       help=f"GPU to plan for (default: the recipe's launcher.gpu_type, else {DEFAULT_GPU})")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    plan.add_argument("--avg-tokens", type=int, default=None,
+    plan.add_argument("--avg-tokens", type=int_at_least(1), default=None,
                       help="assumed mean trajectory length for the compute estimate (default: "
                            "rollout.max_total_tokens / 2)")
-    plan.add_argument("--mfu", type=float, default=0.3, help="assumed model FLOPs utilisation (default 0.3)")
-    plan.set_defaults(func=_cmd_plan)
+    plan.add_argument("--mfu", type=float_in(0.0, 1.0, low_open=True), default=0.3,
+                      help="assumed model FLOPs utilisation, in (0, 1] (default 0.3)")
+    plan.add_argument("--log-file", help="where third-party output goes (default: a new file in the temp directory); "
+                                         "-v keeps it on the terminal")
+    plan.set_defaults(func=_cmd_plan, quiet_log="until_started")
     return plan

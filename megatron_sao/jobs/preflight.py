@@ -60,6 +60,27 @@ def check_weights_to_load(config: SaoConfig, mode: JobMode) -> None:
             resolve_weights_dir(Path(path), role)
 
 
+def check_model_files(config: SaoConfig) -> None:
+    """`model.hf_path` is what the job builds its models from: a directory with config.json, and
+    with weights when `model.load_weights` (megatron-bridge loads them into every role, before a
+    `<role>.load` replaces them). A tiny checkpoint (`model.build_tiny`) is built by the job."""
+    from megatron_sao.checkpointing.hf_files import INDEX_FILE
+
+    model = config.model
+    if model.build_tiny:
+        return
+    if not model.hf_path:
+        raise ValueError("model.hf_path is empty: set it to a HuggingFace checkpoint directory")
+    path = Path(model.hf_path)
+    if not (path / "config.json").is_file():
+        what = "no such directory" if not path.is_dir() else "no config.json there (not a HuggingFace checkpoint)"
+        raise ValueError(f"model.hf_path={path}: {what}")
+    if model.load_weights and not (path / INDEX_FILE).is_file() and not any(path.glob("*.safetensors")):
+        raise ValueError(f"model.hf_path={path}: no model weights (no {INDEX_FILE} and no *.safetensors), and "
+                         "model.load_weights=true: point it at the full checkpoint, or set model.load_weights=false "
+                         "to start from random weights")
+
+
 def check_outputs(config: SaoConfig) -> None:
     """The run directory and, when set apart, `checkpoint.dir` can be written."""
     from megatron_sao.utils.run_logging import run_dir_of
@@ -71,10 +92,12 @@ def check_outputs(config: SaoConfig) -> None:
 
 def check_train_job(config: SaoConfig, mode: Literal["rl", "sft"]) -> None:
     """`sao train` / `sao sft`: the trajectory source (a recorded file's format, rows and columns; the
-    prompt file of engines), the weights to start from, the output directories."""
+    prompt file of engines), the model checkpoint and the weights to start from, the output
+    directories."""
     from megatron_sao.jobs.train import check_trajectory_source
 
     check_trajectory_source(config, mode)
+    check_model_files(config)
     check_weights_to_load(config, mode)
     check_outputs(config)
 
@@ -97,5 +120,6 @@ def check_value_pretrain_job(config: SaoConfig) -> None:
         handle_bad_shards(bad, "stop")  # with "skip" the ranks report them, once
     train = [s for s in manifest.split("train") if s.name not in {p.name for p in bad}]
     RankStream(corpus_dir, train, config.run.seed, 0, data_parallel_size(config))  # enough row groups per rank
+    check_model_files(config)
     check_weights_to_load(config, "critic")
     check_outputs(config)

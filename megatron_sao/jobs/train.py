@@ -239,16 +239,18 @@ def _forward_to_children(signum: int, frame: Any) -> None:
 
 def drive(config: SaoConfig, run_dir: Path,
           launch: Callable[[str | None], dict[str, Any]]) -> tuple[int, dict[str, Any], Path]:
-    """What every launch path does around its ranks: resolve the checkpoint to resume from (a run
-    already complete returns at once), check the layout against the model (which also builds a tiny
-    checkpoint once, before ranks race for it), then `launch(resume_from)` -> rank 0's result.
+    """What every launch path does around its ranks: check the layout against the model (which also
+    builds a tiny checkpoint once, before ranks race for it), resolve the checkpoint to resume from
+    (a run already complete returns at once), then `launch(resume_from)` -> rank 0's result.
     Returns (exit code, result, run directory)."""
     from megatron_sao.models.build import check_layout_fits_model
+    from megatron_sao.utils.console import show_output
 
+    check_layout_fits_model(config)
+    show_output()  # the checks are done: what follows (and the ranks' progress) is shown live
     resume_from, complete = prepare_resume(config, run_dir)
     if complete is not None:
         return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
-    check_layout_fits_model(config)
     result = launch(str(resume_from) if resume_from else None)
     return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
 

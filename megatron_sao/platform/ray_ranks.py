@@ -34,12 +34,18 @@ def connect_ray(address: str = "", min_cpus: float = 0.0) -> bool:
     and a 2-core box must still place a trainer and an engine side by side."""
     import ray
 
+    from megatron_sao.platform.ray_cluster import join_failure, use_explicit_auth
+
     if ray.is_initialized():
         return False
     quiet = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
     if address:
-        ray.init(address=address, **quiet)
+        try:
+            ray.init(address=address, **quiet)
+        except (ConnectionError, RuntimeError) as e:  # say why: the token refused, or nothing there
+            raise ConnectionError(join_failure(address, e)[1]) from e
     else:
+        use_explicit_auth()  # the same mode and token whatever ~/.ray/auth_token holds
         ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), **quiet)
     return True
 
