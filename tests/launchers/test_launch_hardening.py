@@ -133,11 +133,14 @@ def _config_of(script: Path) -> Path:
 def test_item4_a_pending_jobs_config_stays_byte_identical(local_slurm, tmp_path, inputs, capsys):
     """Submit held (pending), then dry-run and submit again with other values: the pending job's
     script still names its own config, byte for byte what it was at submission."""
-    common = ["launch", "slurm", TINY, f"run.output_dir={tmp_path}", *inputs, "launcher.nproc_per_node=1",
-              "--nodes", "2", "--allow-loopback", "launcher.extra_sbatch=[--hold]"]
+    def launch(total_steps: int, *flags: str) -> int:
+        return main(["launch", "slurm", TINY, f"run.output_dir={tmp_path}", *inputs, "launcher.nproc_per_node=1",
+                     "launcher.extra_sbatch=[--hold]", f"run.total_steps={total_steps}", "--nodes", "2",
+                     "--allow-loopback", *flags])
+
     jobs = []
     try:
-        assert main([*common, "run.total_steps=5"]) == 0
+        assert launch(5) == 0
         out = capsys.readouterr().out
         jobs.append(re.search(r"submitted job (\d+)", out)[1])
         first = Path(re.search(r"sbatch script: (\S+)", out)[1])
@@ -146,8 +149,8 @@ def test_item4_a_pending_jobs_config_stays_byte_identical(local_slurm, tmp_path,
         before = config.read_bytes()
         assert re.search(r"JobState=PENDING", subprocess.run(["scontrol", "show", "job", jobs[0]],
                                                               capture_output=True, text=True).stdout)
-        assert main([*common, "run.total_steps=7", "--dry-run"]) == 0
-        assert main([*common, "run.total_steps=9"]) == 0
+        assert launch(7, "--dry-run") == 0
+        assert launch(9) == 0
         out = capsys.readouterr().out
         jobs += re.findall(r"submitted job (\d+)", out)
         second = Path(re.findall(r"sbatch script: (\S+)", out)[-1])
@@ -178,13 +181,12 @@ def token_home(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.slow  # ~30-60 s: a one-node Ray cluster, the barrier, `sao config show` as the driver
 @pytest.mark.timeout(400)
 def test_item3_item8_launch_local_forms_ray_with_a_token_file_present_and_removes_its_temp_dir(tmp_path, token_home):
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "megatron_sao.cli", "launch", "local", TINY,
                            f"run.output_dir={tmp_path / 'runs'}", "--command", "config show"],
                           capture_output=True, text=True, env=token_home, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # (it used to wait out the 120 s join barrier, "Ray did not start", exit 3)
     assert "sao: Ray cluster complete: 1 nodes" in proc.stdout and "driver exited with 0" in proc.stdout
-    assert time.monotonic() - start < 100  # it used to wait out the 120 s barrier and fail
     temp = re.search(r"(/tmp/ray_sao_local_\d+)/session_", proc.stdout)
     assert temp and not Path(temp[1]).exists()
 
