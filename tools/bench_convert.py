@@ -2,6 +2,7 @@
 
     python tools/bench_convert.py                      # ~2 GB bf16 Qwen3-MoE-shaped model under /tmp
     python tools/bench_convert.py --size-gb 0.5 --dir checkpoints --nproc 2 --keep
+    python tools/bench_convert.py --fastio             # the conversions on the fast-I/O path
 
 Steps (all timed, page cache of the files evicted before each read-bound step with
 posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memory):
@@ -10,18 +11,19 @@ posix_fadvise(DONTNEED) after fsync, so reads come from the disk, not from memor
    random, written tensor by tensor);
 2. sequential read of its safetensors files (16 MB reads) and a sequential write of as many bytes
    with fsync (conversions write what they read), each through the page cache and past it
-   (O_DIRECT where the filesystem takes it, as conversions write, `direct_io`): the disk's read
+   (O_DIRECT where the filesystem takes it, as --fastio conversions write, `fastio.direct_io`): the disk's read
    and write speeds R and W are the faster of each pair; then the same read and write at once
    (two threads, O_DIRECT): a conversion reads and writes every byte, and a disk that does one at
    a time (measured so on the CI VM, 2026-12-03) holds any conversion to 1/(1/R + 1/W);
    then a checksummed copy of the files (read through the page cache, the manifest's digest,
-   write as conversions write, fsync; two threads):
+   write as the conversions below write, fsync; two threads):
    the per-byte work no conversion avoids, hence the most one can reach on this host;
 3. for each rank count of --nproc (default 1 and 2; EP = ranks unless --ep), in fresh processes:
-   `hf-to-mcore`, then `mcore-to-hf` of the result: throughput = HF bytes / seconds;
+   `hf-to-mcore`, then `mcore-to-hf` of the result (with --fastio on the fast-I/O path,
+   docs/conversion.md#fast-io): throughput = HF bytes / seconds;
 and prints each throughput as a fraction of min(sequential read, sequential write), of reading and
 writing at once, and of the checksummed copy's, and, for every rank, the growth of its resident
-memory during the conversion (peak RSS reset before it, `checkpointing.rss`) against its shard's
+memory during the conversion (peak RSS reset before it, `tools/rss.py`) against its shard's
 bytes and the I/O bucket (--io-bucket-mb).
 Everything is deleted at the end unless --keep.
 """
@@ -41,11 +43,13 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing.digest import DEFAULT as DEFAULT_DIGEST
-from megatron_sao.checkpointing.direct_io import direct_io_enabled, hashing_file, open_direct
+from megatron_sao.checkpointing.fastio.direct_io import hashing_file as direct_hashing_file
+from megatron_sao.checkpointing.fastio.direct_io import open_direct
+from megatron_sao.checkpointing.hashing_file import HashingFile
 from megatron_sao.checkpointing.hf_files import TORCH_TO_ST, expected_hf_tensors
+from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.checkpointing.output_dir import human_bytes
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
 
 _READ_BLOCK = 16 * 1024 * 1024
 SHAPES = {
@@ -141,7 +145,8 @@ def warm_imports() -> float:
 
 def sequential_write(path: Path, nbytes: int, direct: bool) -> float:
     """Seconds to write `nbytes` to `path` in 16 MB blocks and fsync (the file is removed); with
-    `direct`, the way conversions write (`direct_io`: O_DIRECT where the filesystem takes it)."""
+    `direct`, the way --fastio conversions write (`fastio.direct_io`: O_DIRECT where the filesystem
+    takes it)."""
     block = mmap.mmap(-1, _READ_BLOCK)  # page-aligned, as O_DIRECT needs
     block.write(os.urandom(_READ_BLOCK))
     fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if direct else None
@@ -177,9 +182,10 @@ def read_and_write_at_once(files: list[Path], path: Path, nbytes: int) -> float:
     return time.monotonic() - start
 
 
-def checksummed_copy(files: list[Path], destination: Path, algorithm: str = DEFAULT_DIGEST) -> float:
+def checksummed_copy(files: list[Path], destination: Path, fastio: bool, algorithm: str = DEFAULT_DIGEST) -> float:
     """Seconds to copy `files` into one file with the manifest's digest of every byte and fsync,
-    reading and writing in two threads, written the way conversions write (`direct_io.hashing_file`):
+    reading and writing in two threads, written the way the conversions write (`HashingFile`; with
+    `fastio`, `fastio.direct_io.hashing_file`):
     what any conversion must at least do per byte (read, hash, write), and so the most a conversion
     can reach on this host (the file is removed)."""
     import queue
@@ -197,7 +203,7 @@ def checksummed_copy(files: list[Path], destination: Path, algorithm: str = DEFA
     start = time.monotonic()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    out = hashing_file(destination, algorithm)
+    out = direct_hashing_file(destination, algorithm) if fastio else HashingFile(destination, algorithm)
     while (block := blocks.get()) is not None:
         out.write(block)
     out.finish()
@@ -248,13 +254,16 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the rank count)")
     parser.add_argument("--io-bucket-mb", type=float, default=DEFAULT_IO_BUCKET_BYTES / 2**20,
                         help=f"I/O bucket per rank (default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
+    parser.add_argument("--fastio", action="store_true",
+                        help="convert on the fast-I/O path (`sao convert --fastio`; default: the standard path)")
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args()
+
+    from rss import measured  # tools/rss.py (this script's directory is on sys.path)
 
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
     from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
     from megatron_sao.checkpointing.model_setup import Layout
-    from megatron_sao.checkpointing.rss import measured
     from megatron_sao.platform import run_distributed
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
@@ -290,8 +299,8 @@ def main() -> None:
               f"{human_bytes(write_speed)}/s (the faster of: through the page cache "
               f"{human_bytes(model_bytes / buffered_write_s)}/s, "
               f"O_DIRECT {human_bytes(model_bytes / direct_write_s)}/s)")
-        if not direct_io_enabled():
-            print("(direct I/O is off: SAO_DIRECT_IO=0, or no O_DIRECT here; both figures went through the page cache)")
+        if not hasattr(os, "O_DIRECT"):
+            print("(no O_DIRECT here: both figures went through the page cache)")
         bound = min(read_speed, write_speed)
         print(f"bound min(read, write) = {human_bytes(bound)}/s (a conversion writes as many bytes as it reads)")
         evict(work)
@@ -303,26 +312,29 @@ def main() -> None:
               f"{one_at_a_time / bound:.2f} x if the disk does one at a time): the most a conversion, "
               "reading and writing every byte, can reach")
         evict(work)
-        copy_s = checksummed_copy(files, work / "copy_probe")
+        copy_s = checksummed_copy(files, work / "copy_probe", args.fastio)
         print(f"checksummed copy (read + {DEFAULT_DIGEST} + write + fsync, 2 threads): {copy_s:.2f} s = "
               f"{human_bytes(model_bytes / copy_s)}/s = {model_bytes / copy_s / bound:.2f} x min(read, write): "
               "the per-byte work every conversion does, so its ceiling on this host")
         # each rank imports the conversion stack before its baseline is taken (rss.warm_up): the
         # memory reported is what the conversion holds, not the libraries' one-off ~200 MB
         rank_job = partial(measured, warm_dir=work / "hf")
-        print(f"I/O bucket per rank: {human_bytes(bucket)}")
+        print(f"I/O bucket per rank: {human_bytes(bucket)}; conversions on the "
+              f"{'fast-I/O (--fastio)' if args.fastio else 'standard'} path")
         for nproc in (int(n) for n in args.nproc.split(",")):
             layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep if args.ep is not None else nproc)
             mcore, hf_out = work / f"mcore_{nproc}", work / f"hf_out_{nproc}"
             evict(work)
             up = run_distributed(rank_job, nproc, convert_hf_to_mcore, HfToMcoreRequest(
-                hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False, io_bucket_bytes=bucket),
+                hf_dir=work / "hf", out_dir=mcore, layout=layout, progress=False, io_bucket_bytes=bucket,
+                fastio=args.fastio),
                 timeout_s=24 * 3600)
             ceiling = model_bytes / copy_s
             _report("hf-to-mcore", layout.describe(), nproc, model_bytes, bound, ceiling, up, bucket, duplex)
             evict(work)
             down = run_distributed(rank_job, nproc, convert_mcore_to_hf, McoreToHfRequest(
-                mcore_dir=mcore, out_dir=hf_out, layout=layout, progress=False), timeout_s=24 * 3600)
+                mcore_dir=mcore, out_dir=hf_out, layout=layout, progress=False, fastio=args.fastio),
+                timeout_s=24 * 3600)
             _report("mcore-to-hf", layout.describe(), nproc, model_bytes, bound, ceiling, down, bucket, duplex)
             if not args.keep:
                 shutil.rmtree(mcore, ignore_errors=True)

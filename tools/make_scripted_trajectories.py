@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,13 +70,10 @@ def describe(stats: dict[str, Any]) -> str:
 def write(out: Path, trajectories: list[Any]) -> None:
     """Write next to `out`, then rename: a killed run never leaves a half file under its name."""
     from megatron_sao.rollout.trajectory_io import write_jsonl, write_parquet
+    from megatron_sao.utils.atomic import atomic_path
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(out) as tmp:
         (write_parquet if out.suffix == ".parquet" else write_jsonl)(tmp, trajectories)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from megatron_sao.checkpointing.families import FAMILIES
-from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.utils.args import SaoArgumentParser, float_in, int_at_least
 from megatron_sao.utils.console import console_out, log_path_for, run_command
 
@@ -69,6 +69,13 @@ def _add_checksum_flag(parser: argparse.ArgumentParser) -> None:
                              "--no-verify-checksums skips this extra read of the checkpoint)")
 
 
+def _add_fastio_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fastio", action="store_true",
+                        help="the fast-I/O path (default off): O_DIRECT reads and writes, memory given back as it "
+                             "is written, raw torch_dist reads; tuned on the 2-core CI VM, not yet measured on a GPU "
+                             "node (docs/conversion.md#fast-io)")
+
+
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out if it is a previous conversion output (atomically, at the end); "
@@ -112,7 +119,7 @@ def _run_hf_to_mcore(args: argparse.Namespace) -> int:
     request = HfToMcoreRequest(hf_dir=Path(args.hf), out_dir=Path(args.out), layout=_layout(args), role=args.role,
                                overwrite=args.overwrite, seed=args.seed, value_head_init_std=args.value_head_init_std,
                                progress=not args.no_progress, io_bucket_bytes=int(args.io_bucket_mb * 2**20),
-                               io_threads=args.io_threads)
+                               io_threads=args.io_threads, fastio=args.fastio)
     rank, result = run_collective(convert_hf_to_mcore, args.nproc, request)
     lines = [*notes]
     head = result["value_head"] or {}
@@ -138,7 +145,7 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
         hf_config_dir=Path(args.hf_config) if args.hf_config else None, layout=_layout(args), role=args.role,
         dtype=args.dtype, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
         verify_checksums=args.verify_checksums, progress=not args.no_progress,
-        io_bucket_bytes=int(args.io_bucket_mb * 2**20))
+        io_bucket_bytes=int(args.io_bucket_mb * 2**20), fastio=args.fastio)
     rank, result = run_collective(convert_mcore_to_hf, args.nproc, request)
     _report(rank, [*notes, f"mcore-to-hf: {result['summary']}"])
     return 0
@@ -210,6 +217,7 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                           f"(default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
     h2m.add_argument("--io-threads", type=int_at_least(1), default=2,
                      help="torch_dist writer threads per rank, each writing and hashing one file (default 2)")
+    _add_fastio_flag(h2m)
     _add_output_flags(h2m)
     _add_layout(h2m)
     h2m.set_defaults(func=_run_hf_to_mcore)
@@ -232,8 +240,10 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                      help="largest safetensors shard (default 5GB)")
     m2h.add_argument("--io-bucket-mb", type=float_in(0.0, low_open=True), metavar="MB",
                      default=DEFAULT_IO_BUCKET_BYTES / 2**20,
-                     help="per rank, at most this many MiB loaded ahead of the export (the export gives each "
-                          f"parameter's memory back once written) (default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
+                     help="with --fastio: per rank, at most this many MiB loaded ahead of the export (which gives "
+                          "each parameter's memory back once written) "
+                          f"(default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
+    _add_fastio_flag(m2h)
     _add_checksum_flag(m2h)
     _add_output_flags(m2h)
     _add_layout(m2h)

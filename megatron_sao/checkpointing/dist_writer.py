@@ -12,13 +12,13 @@ Measured on Megatron-Core 0.19.2 (docs/conversion.md#memory-and-streaming):
 files and metadata: any torch_dist reader reads the result) with `StreamingWriter`, whose threads
 each write one file item by item, staging (cloning, or copying to host) an item only just before
 writing it and only while a shared byte budget (the I/O bucket) allows. Each thread hashes its file
-as it writes (`direct_io.hashing_file`: O_DIRECT where the filesystem takes it, else through the
-page cache with its write-back started item by item). Given a `fill`
-function and its `FillTracker`, the strategy plans the save (shapes only), starts the writers, and
-runs `fill` (a conversion's load) on the calling thread while they write: each writer waits for
-each item's tensor to be filled, and writes its items in fill order; with `release_written`, a
-tensor's whole pages go back to the OS once all of this rank's items of it are written
-(`page_release`). The load side is `dist_reader`.
+as it writes (`hashing_file.HashingFile`; with fast I/O `fastio.direct_io.hashing_file`: O_DIRECT
+where the filesystem takes it, else through the page cache with its write-back started item by
+item). Given a `fill` function and its `FillTracker`, the strategy plans the save (shapes only),
+starts the writers, and runs `fill` (a conversion's load) on the calling thread while they write:
+each writer waits for each item's tensor to be filled, and writes its items in fill order; with
+fast I/O and a tracker, a tensor's whole pages go back to the OS once all of this rank's items of
+it are written (`fastio.page_release`). The load side is `dist_reader`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,37 +51,11 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.utils.serialization import config as serialization_config
 
-from megatron_sao.checkpointing.direct_io import hashing_file
 from megatron_sao.checkpointing.fill_tracker import FillTracker
-from megatron_sao.checkpointing.page_release import release_pages
+from megatron_sao.checkpointing.hashing_file import HashingFile
+from megatron_sao.checkpointing.io_bucket import ByteBudget
 
 OnBytes = Callable[[int], None]
-
-
-class ByteBudget:
-    """At most `capacity` bytes held at a time; a larger request is served alone."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"I/O bucket must be > 0 bytes, got {capacity}")
-        self.capacity = capacity
-        self.peak = 0
-        self._used = 0
-        self._cond = threading.Condition()
-
-    @contextmanager
-    def hold(self, nbytes: int) -> Iterator[None]:
-        n = min(nbytes, self.capacity)
-        with self._cond:
-            self._cond.wait_for(lambda: self._used + n <= self.capacity)
-            self._used += n
-            self.peak = max(self.peak, self._used)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._used -= n
-                self._cond.notify_all()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -115,14 +88,14 @@ class StreamingWriter(FileSystemWriterAsync):
     """One file per thread, written item by item; see the module docstring."""
 
     def __init__(self, path: str | Path, thread_count: int, budget: ByteBudget, on_bytes: OnBytes | None,
-                 tracker: FillTracker | None = None, release_written: bool = False) -> None:
+                 tracker: FillTracker | None = None, fastio: bool = False) -> None:
         super().__init__(str(path), thread_count=thread_count)
-        if release_written and tracker is None:
-            raise ValueError("release_written needs the tracker: it names the tensor each item belongs to")
         self.budget = budget
         self.on_bytes = on_bytes
         self.tracker = tracker
-        self.release_written = release_written
+        self.fastio = fastio
+        self.release_written = fastio and tracker is not None
+        """Give each tracked tensor's memory back once written (the tracker names the tensor of each item)."""
         self.released_bytes = 0
         """Bytes of memory given back to the OS after their tensors were written (`release_written`)."""
         self._unwritten_items: dict[int, int] = {}
@@ -190,7 +163,12 @@ class StreamingWriter(FileSystemWriterAsync):
         # it (torch.load does not); the file's digest computed while writing covers every byte.
         # The setting is per thread.
         serialization_config.save.compute_crc32 = False
-        stream = hashing_file(path)
+        if self.fastio:
+            from megatron_sao.checkpointing.fastio.direct_io import hashing_file
+
+            stream = hashing_file(path)
+        else:
+            stream = HashingFile(path)
         try:
             for item, obj in data:
                 if self._failed.is_set():
@@ -229,6 +207,8 @@ class StreamingWriter(FileSystemWriterAsync):
             self._unwritten_items[span] -= 1
             last = self._unwritten_items[span] == 0
         if last:
+            from megatron_sao.checkpointing.fastio.page_release import release_pages
+
             released = release_pages(*self.tracker.extent(span))
             with self._release_lock:
                 self.released_bytes += released
@@ -242,7 +222,7 @@ class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, thread_count: int, bucket_bytes: int, on_bytes: OnBytes | None = None,
                  on_planned: OnBytes | None = None, fill: Callable[[], None] | None = None,
-                 tracker: FillTracker | None = None, release_written: bool = False) -> None:
+                 tracker: FillTracker | None = None, fastio: bool = False) -> None:
         super().__init__(backend="torch_dist", thread_count=thread_count)
         if (fill is None) != (tracker is None):
             raise ValueError("fill and tracker come together: the writers wait for what fill fills")
@@ -251,8 +231,9 @@ class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
         self.on_planned = on_planned
         self.fill = fill
         self.tracker = tracker
-        self.release_written = release_written
-        """Give each filled tensor's memory back once written (the model is not used after the save)."""
+        self.fastio = fastio
+        """Fast I/O: O_DIRECT writes, and (with a tracker) each filled tensor's memory given back once
+        written (the model is not used after the save)."""
         self.files: dict[str, tuple[int, str]] = {}
         self.budget_peak = 0
         self.released_bytes = 0
@@ -261,7 +242,7 @@ class BoundedSaveStrategy(TorchDistSaveShardedStrategy):
         state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         budget = ByteBudget(self.bucket_bytes)
         writer = StreamingWriter(checkpoint_dir, self.thread_count, budget, self.on_bytes, self.tracker,
-                                 release_written=self.release_written)
+                                 fastio=self.fastio)
         planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                    flatten_state_dict=False, flatten_sharded_tensors=False)
         finalize_args = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,

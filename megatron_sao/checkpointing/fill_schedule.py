@@ -66,7 +66,7 @@ class _FillAhead:
 
     def _may_fill(self, index: int) -> bool:
         """Fill `index` if the loop needs it, or if it ends at most `max_ahead_bytes` past what the
-        loop needs: pages the writer gives back (`page_release`) are then reused within moments,
+        loop needs: pages the writer gives back (with fast I/O, `fastio.page_release`) are then reused,
         not after the fill has touched the rest of the shard fresh."""
         needed_end = self._ends[self._needed] if self._needed >= 0 else 0
         return index <= self._needed or self._ends[index] - needed_end <= self._max_ahead

@@ -31,8 +31,8 @@ import torch
 from megatron_sao.checkpointing.fill_schedule import FillSchedule
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.hf_files import HFCheckpoint
-from megatron_sao.checkpointing.model_setup import unwrap
-from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.checkpointing.keys import unwrap
 from megatron_sao.platform.collective import any_rank_flags, raise_if_any
 
 OnBytes = Callable[[int], None]
@@ -53,6 +53,8 @@ class LoadSpec:
     """Called with the bytes of HF tensors this rank will read, once its tasks are known."""
     on_bytes: OnBytes | None = None
     """Called with the bytes of every HF tensor read (progress)."""
+    fastio: bool = False
+    """Read HF tensors past the page cache into pooled buffers (`hf_reader`, fast I/O)."""
 
 
 def _hf_names(hf_param: Any) -> list[str]:
@@ -148,7 +150,7 @@ def load_hf_weights(bridge: Any, chunks: list[torch.nn.Module], spec: LoadSpec,
 
     model_bridge = bridge._model_bridge  # one instance: the overrides below apply to it alone
     original_build = model_bridge.build_conversion_tasks
-    source = PrefetchingSource(spec.checkpoint, spec.io_bucket_bytes, on_bytes=spec.on_bytes)
+    source = PrefetchingSource(spec.checkpoint, spec.io_bucket_bytes, on_bytes=spec.on_bytes, fastio=spec.fastio)
     _keep_router_bias_fp32(chunks)
     schedule = FillSchedule(dict(float_state(chunks, spec.skip_megatron_prefixes)), _written_after_tasks(chunks),
                             tracker)

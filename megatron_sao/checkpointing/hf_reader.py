@@ -6,12 +6,11 @@ take turns, so the disk idles while the CPU converts and the other way round. `P
 is a megatron-bridge `StateSource` that is told the order the tasks will ask (`start`) and reads
 ahead in a thread, never more than `bucket_bytes` ahead (a larger tensor is read alone), with
 `preadv` straight into the tensor's memory: no mmap, so no file pages counted in the process's
-resident memory, and one read per tensor; with O_DIRECT where the filesystem takes it
-(`direct_io.pread_whole_blocks`: the whole blocks around the tensor, into an aligned buffer the
-tensor views), so no page-cache pages are allocated for bytes read once. Buffers come from
-`read_buffers.ReadBuffers`: a tensor's buffer serves a later read once the conversion dropped it. A rank reads only the
-tensors its own tasks ask for (on N ranks, its shard's). A tensor asked for before the thread got
-to it (or a second time) is read on the spot; a prefetched one never asked for only stalls
+resident memory, and one read per tensor, through the page cache into a new buffer. With fast I/O
+(`fastio=True`: `fastio.hf_direct`) past the page cache where the filesystem takes O_DIRECT, into
+pooled buffers that serve later reads once the conversion dropped their tensor. A rank reads only
+the tensors its own tasks ask for (on N ranks, its shard's). A tensor asked for before the thread
+got to it (or a second time) is read on the spot; a prefetched one never asked for only stalls
 read-ahead, never the conversion.
 """
 
@@ -21,13 +20,15 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_sao.checkpointing.direct_io import open_direct, pread_whole_blocks
 from megatron_sao.checkpointing.hf_files import HFCheckpoint, TensorInfo
-from megatron_sao.checkpointing.read_buffers import ReadBuffers
 from megatron_sao.models.bridge_compat import import_auto_bridge
+
+if TYPE_CHECKING:
+    from megatron_sao.checkpointing.fastio.hf_direct import DirectTensorReads
 
 import_auto_bridge()  # megatron.bridge imports Transformer Engine: without it, its stub must be in place first
 from megatron.bridge.models.hf_pretrained.state import StateSource  # noqa: E402
@@ -48,7 +49,8 @@ class _Keys(list):
 
 
 class PrefetchingSource(StateSource):
-    def __init__(self, checkpoint: HFCheckpoint, bucket_bytes: int, on_bytes: OnBytes | None = None) -> None:
+    def __init__(self, checkpoint: HFCheckpoint, bucket_bytes: int, on_bytes: OnBytes | None = None,
+                 fastio: bool = False) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"I/O bucket must be > 0 bytes, got {bucket_bytes}")
         self.checkpoint = checkpoint
@@ -65,13 +67,14 @@ class PrefetchingSource(StateSource):
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._fds: dict[str, int] = {}
-        self._direct_fds: dict[str, int | None] = {}
-        self._refused_fds: list[int] = []
         self._fd_lock = threading.Lock()
-        # the read-ahead keeps a bucket of tensors read while the conversion holds the one it took:
-        # buffers coming back find the bucket full, so the pool keeps up to a second bucket's worth
-        self.buffers = ReadBuffers(2 * bucket_bytes)
-        """Every tensor is read into one of these: a consumed tensor's buffer serves a later read."""
+        self.fast: DirectTensorReads | None = None
+        if fastio:
+            from megatron_sao.checkpointing.fastio.hf_direct import DirectTensorReads
+
+            # the read-ahead keeps a bucket of tensors read while the conversion holds the one it took:
+            # buffers coming back find the bucket full, so the pool keeps up to a second bucket's worth
+            self.fast = DirectTensorReads(checkpoint, pool_bytes=2 * bucket_bytes)
 
     # ---- StateSource ------------------------------------------------------------------------
 
@@ -97,12 +100,11 @@ class PrefetchingSource(StateSource):
         if self._thread is not None:
             self._thread.join()
         with self._fd_lock:
-            for fd in [*self._fds.values(), *self._direct_fds.values(), *self._refused_fds]:
-                if fd is not None:
-                    os.close(fd)
+            for fd in self._fds.values():
+                os.close(fd)
             self._fds.clear()
-            self._direct_fds.clear()
-            self._refused_fds.clear()
+        if self.fast is not None:
+            self.fast.close()
 
     def _take(self, key: str) -> torch.Tensor:
         with self._cond:
@@ -153,37 +155,16 @@ class PrefetchingSource(StateSource):
                 self._fds[file] = os.open(self.checkpoint.path / file, os.O_RDONLY)
             return self._fds[file]
 
-    def _direct_fd(self, file: str) -> int | None:
-        with self._fd_lock:
-            if file not in self._direct_fds:
-                self._direct_fds[file] = open_direct(self.checkpoint.path / file, os.O_RDONLY)
-            return self._direct_fds[file]
-
-    def _read_direct(self, info: TensorInfo) -> torch.Tensor | None:
-        """The tensor read past the page cache, or None where that cannot be done for it."""
-        if info.nbytes == 0 or info.offset % info.torch_dtype.itemsize:
-            return None  # (a dtype view of the buffer needs the tensor's offset aligned to its elements)
-        fd = self._direct_fd(info.file)
-        if fd is None:
-            return None
-        try:
-            raw = pread_whole_blocks(fd, info.offset, info.nbytes, self.buffers.tensor)
-        except ValueError:
-            raise ValueError(f"{self.checkpoint.path / info.file}: truncated while reading {info.name!r} "
-                             f"(the file changed since it was checked)") from None
-        if raw is None:  # refused: this file is read through the page cache from now on
-            with self._fd_lock:
-                self._direct_fds[info.file] = None
-                self._refused_fds.append(fd)  # closed by `close`: another thread may be reading it
-        return raw
-
     def _read(self, info: TensorInfo) -> torch.Tensor:
-        raw = self._read_direct(info)
+        raw = self.fast.read(info) if self.fast is not None else None
         if raw is not None:
             if self.on_bytes is not None:
                 self.on_bytes(info.nbytes)
             return raw.view(info.torch_dtype).reshape(info.shape)
-        raw = self.buffers.tensor(info.nbytes)
+        if self.fast is not None:  # a file refusing O_DIRECT: through the page cache, into the pool
+            raw = self.fast.buffers.tensor(info.nbytes)
+        else:
+            raw = torch.empty(info.nbytes, dtype=torch.uint8)
         view = memoryview(raw.numpy())
         fd, done = self._fd(info.file), 0
         while done < info.nbytes:

@@ -8,8 +8,9 @@ of the one conversion task in flight, never a second copy of the shard
 (docs/conversion.md#memory-and-streaming). The save runs while the load fills the model: each
 parameter is written once it is filled (`FillTracker`), so reading, converting and writing overlap;
 read-ahead and write staging get half of the bucket each. The .distcp files are hashed while they
-are written. Once written, a parameter's memory goes back to the OS (`page_release`): the next
-parameters reuse its pages, and a rank's peak memory is the part of its shard in flight.
+are written. With fast I/O (`fastio`, docs/conversion.md#fast-io) reads and writes go past the
+page cache where the filesystem allows, and once written a parameter's memory goes back to the OS
+(`fastio.page_release`): the next parameters reuse its pages.
 Checks that need no model (`plan_hf_to_mcore`) run first, on every rank, before any collective.
 """
 
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.checkpointing import critic_format as cf
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.checkpointing.hf_files import (
@@ -35,6 +35,8 @@ from megatron_sao.checkpointing.hf_files import (
     is_weight_file,
 )
 from megatron_sao.checkpointing.hf_load import LoadSpec, float_state, load_hf_weights
+from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.checkpointing.keys import unwrap
 from megatron_sao.checkpointing.manifest import HF_DIR, PASSTHROUGH_DIR, Manifest, library_versions, write_manifest
 from megatron_sao.checkpointing.mcore_io import save_model, tensor_table
 from megatron_sao.checkpointing.model_setup import (
@@ -46,7 +48,6 @@ from megatron_sao.checkpointing.model_setup import (
     dtype_name,
     one_op_thread,
     shard_bytes,
-    unwrap,
 )
 from megatron_sao.checkpointing.output_dir import (
     StagedOutput,
@@ -57,7 +58,7 @@ from megatron_sao.checkpointing.output_dir import (
 )
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.models import critic_format as cf
 from megatron_sao.models.bridge_compat import load_auto_bridge
 from megatron_sao.platform.collective import barrier, broadcast_object, gather_objects, rank, world_size
 
@@ -78,8 +79,10 @@ class HfToMcoreRequest:
     """Per rank: at most this many bytes of HF tensors read ahead, and of tensors staged for writing."""
     io_threads: int = 2
     """torch_dist writer threads per rank (one file each)."""
-    release_written: bool = True
-    """Give each parameter's memory back to the OS once it is written (`page_release`)."""
+    fastio: bool = False
+    """The fast-I/O path (`checkpointing/fastio/`, docs/conversion.md#fast-io): HF tensors read and
+    .distcp files written past the page cache (O_DIRECT) where the filesystem allows, read buffers
+    pooled, each parameter's memory given back to the OS once it is written."""
 
 
 @dataclass(kw_only=True)
@@ -246,7 +249,7 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
         spec = LoadSpec(checkpoint=plan.checkpoint, handled_hf_tensors=frozenset(handled),
                         skip_megatron_prefixes=("output_layer.",) if plan.role == "critic" else (),
                         io_bucket_bytes=bucket, on_read_planned=lambda n: planned_bytes("read", n),
-                        on_bytes=progress.advance)
+                        on_bytes=progress.advance, fastio=request.fastio)
         tracker = FillTracker(tensor for _, tensor in float_state(chunks, ()))
         value_head: dict | None = None
         loaded_at = 0.0
@@ -265,7 +268,7 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
             with one_op_thread():
                 written = save_model(chunks, staged.tmp, thread_count=request.io_threads, bucket_bytes=bucket,
                                      on_bytes=progress.advance, on_planned=lambda n: planned_bytes("write", n),
-                                     fill=fill, tracker=tracker, release_written=request.release_written)
+                                     fill=fill, tracker=tracker, fastio=request.fastio)
             phases["load"] = loaded_at - start - sum(phases.values())
             hashed = {name: entry for files in gather_objects(written) for name, entry in files.items()}
             barrier()
@@ -296,7 +299,7 @@ def convert_hf_to_mcore(request: HfToMcoreRequest) -> dict:
         "phases": phases, "out": str(out), "role": plan.role, "architecture": plan.family.architecture,
         "params_dtype": dtype_name(plan.params_dtype), "hf_tensors": len(plan.checkpoint.tensors),
         "hf_bytes": plan.checkpoint.total_bytes, "passthrough": plan.passthrough, "value_head": value_head,
-        "shard_bytes": rank_bytes,
+        "shard_bytes": rank_bytes, "fastio": request.fastio,
         "seconds": seconds, "load_seconds": loaded_at - start, "save_seconds": time.monotonic() - loaded_at,
         "summary": (f"{plan.checkpoint.path} ({plan.family.architecture}, {len(plan.checkpoint.tensors)} tensors, "
                     f"{human_bytes(plan.checkpoint.total_bytes)}) -> {out} as {plan.role} "

@@ -185,7 +185,8 @@ def checksum_share(manifest: Manifest, rank: int, world_size: int,
     """The files `rank` hashes when `world_size` ranks split the work (largest first, each to the
     rank with the fewest bytes so far: the same answer on every rank). With `saved_by`, a file goes
     to the rank that wrote it (a rank loading what it saved reads it anyway and hashes it in the
-    same pass: `distcp_stream`) while that rank holds less than an even share of the bytes."""
+    same pass with fast I/O: `fastio.distcp_stream`) while that rank holds less than an even share
+    of the bytes."""
     load = [0] * world_size
     even = sum(meta["bytes"] for meta in manifest.files.values()) / world_size
     mine = []

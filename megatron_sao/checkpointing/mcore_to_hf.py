@@ -1,4 +1,4 @@
-"""megatron-sao mcore checkpoint -> HF checkpoint (actor: causal LM; critic: critic_format).
+"""megatron-sao mcore checkpoint -> HF checkpoint (actor: causal LM; critic: `models.critic_format`).
 
 Every rank runs `convert_mcore_to_hf`. The model is built in the requested layout (the torch_dist
 checkpoint reshards into it, loaded in place: `dist_reader.merge_in_place`), megatron-bridge streams
@@ -6,19 +6,20 @@ HF tensors one at a time, and the rank that owns each writes it straight to its 
 output shards (`safetensors_stream`; rank 0 creates the files, the others open them): experts are
 not gathered across expert-parallel ranks (each rank writes its own), other tensors are shared out
 by bytes (`HFWeightExporter.stream_owned`). Host memory is at most the rank's model shard plus one
-tensor; each parameter's pages go back to the OS once it is exported, and the load is held at most
-an I/O bucket ahead of the export (`load_window`), so the load reuses them (where the bridge
-allows it: `reports_exported`);
-on several nodes the output directory must be on a filesystem every rank sees. The export
+tensor; on several nodes the output directory must be on a filesystem every rank sees. The export
 runs while the model loads (`dist_reader.BackgroundLoad`: every collective of the load runs first,
 then the export waits for each parameter it reads), and the manifest's checksums are verified
-as the files load, each rank hashing its share of the files (`manifest.checksum_share`) in the
-same pass that loads them (`distcp_stream`); a checksum
+beside the load, each rank hashing its share of the files (`verified_load`); a checksum
 mismatch or a failed load on any rank fails every rank after the export and before anything is
 committed (the staging directory is removed). The output tensor
 table (names, shapes, dtypes) comes from the manifest, so the export writes exactly the tensors
 the source had, in their dtypes; a tensor the bridge yields that is not in the table, or a table
 entry it never yields, is an error.
+
+With fast I/O (`--fastio`, docs/conversion.md#fast-io) the load hashes its share in the pass that
+reads it, each parameter's pages go back to the OS once it is exported, the load is held at most an
+I/O bucket ahead of the export so it reuses them (where the bridge allows it: `reports_exported`),
+and the output is written past the page cache where the filesystem allows.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.checkpointing import critic_format as cf
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.hf_files import (
     ST_TO_TORCH,
@@ -42,7 +42,7 @@ from megatron_sao.checkpointing.hf_files import (
     read_config,
     read_safetensors_header,
 )
-from megatron_sao.checkpointing.load_window import LoadWindow
+from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.checkpointing.manifest import (
     HF_DIR,
     MANIFEST_FILE,
@@ -73,7 +73,7 @@ from megatron_sao.checkpointing.output_dir import (
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from megatron_sao.checkpointing.verified_load import VerifiedLoad
-from megatron_sao.checkpointing.writeback import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.models import critic_format as cf
 from megatron_sao.models.hf_export import HFWeightExporter, OwnedTensor
 from megatron_sao.platform.collective import (
     barrier,
@@ -102,14 +102,16 @@ class McoreToHfRequest:
     overwrite: bool = False
     max_shard_bytes: int = 5 * 10**9
     verify_checksums: bool = True
-    """Check every file's digest against the manifest before exporting (a flipped bit in a shard is
-    otherwise exported silently); the files are split over the ranks, each hashed in the same pass
-    that loads it (`distcp_stream`), so only the files a rank loads nothing from are read for it."""
+    """Check every file's digest against the manifest before committing the export (a flipped bit in
+    a shard is otherwise exported silently); the files are split over the ranks, each hashed beside
+    the load (with `fastio`, in the same pass that loads it)."""
     progress: bool = True
-    release_exported: bool = True
-    """Give each parameter's memory back to the OS once exported (`page_release`), and hold the load
-    at most `io_bucket_bytes` ahead of the export (`load_window`), so it reuses those pages."""
+    fastio: bool = False
+    """The fast-I/O path (`checkpointing/fastio/`, docs/conversion.md#fast-io): O_DIRECT reads and
+    writes, each parameter's memory given back to the OS once exported with the load held at most
+    `io_bucket_bytes` ahead of the export, raw item reads checksummed in the load's own pass."""
     io_bucket_bytes: int = DEFAULT_IO_BUCKET_BYTES
+    """With `fastio`: how far the load may run ahead of the export (bytes loaded, not yet given back)."""
 
 
 @dataclass(kw_only=True)
@@ -185,7 +187,8 @@ class _Sink:
 
     def __init__(self, plan: McoreToHfPlan, directory: Path, progress: Progress, create: bool) -> None:
         self.by_name = {s.name: s for s in plan.specs}
-        self.writer = StreamingSafetensorsWriter(directory, plan.specs, plan.request.max_shard_bytes, create=create)
+        self.writer = StreamingSafetensorsWriter(directory, plan.specs, plan.request.max_shard_bytes, create=create,
+                                                 fastio=plan.request.fastio)
         self.progress = progress
         self.expert_parallel = plan.request.layout.ep
         self.errors: list[str] = []
@@ -282,25 +285,23 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         progress.start_phase("convert")
         with disk_full_as_value_error(staged.tmp), one_op_thread():
             sink = _open_sink(plan, staged.tmp, progress)
-            window = LoadWindow(request.io_bucket_bytes) if request.release_exported else None
             load = VerifiedLoad(mcore, plan.manifest if request.verify_checksums else None, chunks, progress,
-                                window)
+                                fastio=request.fastio, window_bytes=request.io_bucket_bytes)
             overlapped = load.background is not None
             exporter = None
             try:
                 exporter = HFWeightExporter(chunks, view, role=plan.role)
-                give_back = load.give_back if window is not None and overlapped and exporter.reports_exported() \
+                give_back = load.give_back if request.fastio and overlapped and exporter.reports_exported() \
                     else None
-                if give_back is None and window is not None:
-                    window.close()  # nothing will be given back: the load must not wait for it
+                if give_back is None:
+                    load.close_window()  # nothing will be given back: the load must not wait for it
                 for item in exporter.stream_owned(cpu=True, wait_for=load.wait_for, may_alias=True,
                                                   on_exported=give_back):
                     # The exporter always appends a zero score.bias; a critic saved without one has none.
                     if not (item.name == cf.VALUE_BIAS and item.name not in sink.by_name):
                         sink.take(item)
             finally:
-                if window is not None:
-                    window.close()
+                load.close_window()
                 if exporter is not None:
                     exporter.close()
             load.finish()
@@ -334,11 +335,12 @@ def convert_mcore_to_hf(request: McoreToHfRequest) -> dict:
         "shard_bytes": rank_bytes,
         "bytes": total, "rounded": rounded, "seconds": seconds, "load_seconds": loaded_at - start,
         "load_overlapped": overlapped,
+        "fastio": request.fastio,
         "released_bytes": load.released_bytes,
         # this rank's share of the manifest's files, and how many of them the load hashed as it read them
-        "checksum_files": len(load.digests.wanted) if load.digests is not None else 0,
-        "checksummed_while_loading": len(load.digests.found) if load.digests is not None else 0,
-        "load_held_back": window.held_back if window is not None else 0,
+        "checksum_files": len(load.share),
+        "checksummed_while_loading": load.hashed_while_loading,
+        "load_held_back": load.window.held_back if load.window is not None else 0,
         "export_seconds": time.monotonic() - loaded_at,
         "summary": (f"{mcore} ({plan.role}, {plan.family.architecture}) -> {out}: {len(plan.specs)} tensors, "
                     f"{human_bytes(total)} [{request.layout.describe()}, {get_world_size()} ranks] in {seconds:.1f} s"

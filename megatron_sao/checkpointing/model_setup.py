@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_sao.checkpointing.keys import unwrap
+
 Role = Literal["actor", "critic"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,13 +142,6 @@ def one_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
 
 
 def shard_bytes(chunks: list[torch.nn.Module]) -> int:

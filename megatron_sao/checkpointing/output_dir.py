@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_sao.utils.atomic import replace_dir
+
 TMP_MARKER = ".sao-tmp-"
 # Files that mark a directory as a conversion output (mcore: the manifest; HF export: this marker).
 OUTPUT_MARKERS = ("sao_manifest.json", "sao_export.json")
@@ -131,15 +133,9 @@ class StagedOutput:
         self.tmp.mkdir()
 
     def commit(self) -> None:
-        _fsync_tree(self.tmp)
-        old = None
-        if self.out.exists():
-            old = self.out.parent / f".{self.out.name}{TMP_MARKER}old-{self.new_token()}"
-            os.rename(self.out, old)
-        os.rename(self.tmp, self.out)
-        _fsync_dir(self.out.parent)
-        if old is not None:
-            shutil.rmtree(old)
+        """Everything synced, then `tmp` renamed to `out`; a previous `out` is moved aside to a
+        hidden `TMP_MARKER` sibling (a leftover `report_leftovers` recognises) and deleted after."""
+        replace_dir(self.tmp, self.out, aside=self.out.parent / f".{self.out.name}{TMP_MARKER}old-{self.new_token()}")
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -159,20 +155,3 @@ def disk_full_as_value_error(where: Path):
         raise
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))

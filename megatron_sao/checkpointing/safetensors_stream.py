@@ -3,9 +3,10 @@
 megatron-bridge yields exported tensors one at a time in its own order. Buffering a shard's worth
 before writing would hold gigabytes; instead every tensor's place is planned up front from the
 known name/dtype/shape list (the manifest), each shard file is created at its final size with its
-header, and each arriving tensor is written straight to its offset (`direct_io.PositionalWriter`:
-its whole blocks with O_DIRECT where the filesystem takes it, the rest through the page cache with
-its write-back started at once), overlapping the export of the next. Memory: one tensor.
+header, and each arriving tensor is written straight to its offset (`os.pwrite`; with fast I/O
+`fastio.direct_io.PositionalWriter`: its whole blocks with O_DIRECT where the filesystem takes it,
+the rest through the page cache with its write-back started at once), overlapping the export of
+the next. Memory: one tensor.
 
 Several writers can share the files: the layout is a pure function of the tensor list, so one
 process creates the files (`create=True`) and the others open them (`create=False`) and write
@@ -24,10 +25,10 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from megatron_sao.checkpointing.direct_io import PositionalWriter
 from megatron_sao.checkpointing.hf_files import INDEX_FILE, ST_TO_TORCH, TORCH_TO_ST
 
 
@@ -48,6 +49,21 @@ class TensorSpec:
         for dim in self.shape:
             numel *= dim
         return numel * ST_TO_TORCH[self.dtype].itemsize
+
+
+class _BufferedWriter:
+    """Writes at any offset of the file open as `fd` (the caller's), through the page cache."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: memoryview, offset: int) -> None:
+        while data:
+            n = os.pwrite(self.fd, data, offset)
+            data, offset = data[n:], offset + n
+
+    def close(self) -> None:
+        """Nothing of its own to close."""
 
 
 @dataclass(slots=True)
@@ -73,14 +89,17 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
 
 class StreamingSafetensorsWriter:
     """Pre-planned sharded safetensors output in `directory` (which must exist). With
-    `create=False` the files must already exist, created by another writer of the same plan."""
+    `create=False` the files must already exist, created by another writer of the same plan. With
+    `fastio`, writes go past the page cache where the filesystem allows (`fastio.direct_io`)."""
 
-    def __init__(self, directory: Path, specs: list[TensorSpec], max_shard_bytes: int, create: bool = True) -> None:
+    def __init__(self, directory: Path, specs: list[TensorSpec], max_shard_bytes: int, create: bool = True,
+                 fastio: bool = False) -> None:
         self.directory = directory
         self.create = create
+        self.fastio = fastio
         self.slots: dict[str, _Slot] = {}
         self._fds: dict[str, int] = {}
-        self._writers: dict[str, PositionalWriter] = {}
+        self._writers: dict[str, Any] = {}
         shards = plan_shards(specs, max_shard_bytes)
         count = len(shards)
         self.weight_map: dict[str, str] = {}
@@ -115,7 +134,12 @@ class StreamingSafetensorsWriter:
             if os.fstat(fd).st_size != data_start + begin:
                 raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, the plan has {data_start + begin}: "
                                  f"created from another tensor list")
-        self._writers[file] = PositionalWriter(path, fd)
+        if self.fastio:
+            from megatron_sao.checkpointing.fastio.direct_io import PositionalWriter
+
+            self._writers[file] = PositionalWriter(path, fd)
+        else:
+            self._writers[file] = _BufferedWriter(fd)
         for spec in ordered:
             offset = data_start + header[spec.name]["data_offsets"][0]  # type: ignore[index]
             self.slots[spec.name] = _Slot(spec=spec, file=file, offset=offset)

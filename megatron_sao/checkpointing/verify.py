@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.checkpointing import critic_format as cf
 from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint, read_config
 from megatron_sao.checkpointing.manifest import HF_DIR, check_files, read_manifest
 from megatron_sao.checkpointing.mcore_io import load_model
 from megatron_sao.checkpointing.model_setup import Layout, Role, build_for_conversion, conversion_config
+from megatron_sao.models import critic_format as cf
 from megatron_sao.platform.collective import broadcast_object, raise_if_any, rank, world_size
 
 DEFAULT_PROMPT = ("<|im_start|>user\nA train leaves at 9:40 and arrives at 13:05. How long is the trip?<|im_end|>\n"

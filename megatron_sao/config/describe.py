@@ -61,7 +61,8 @@ def describe(section: str | None = None) -> str:
 
     walk(SaoConfig, "", SaoConfig())
     if not lines:
-        from megatron_sao.config.loader import ConfigError, _all_keys
+        from megatron_sao.config.errors import ConfigError
+        from megatron_sao.config.loader import _all_keys
 
         keys = _all_keys(SaoConfig)
         close = difflib.get_close_matches(section or "", keys, n=3, cutoff=0.5)

@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from megatron_sao.config.errors import ConfigError
 from megatron_sao.config.schema import SaoConfig
 
 COMMAND_LINE = "command line"
@@ -26,10 +27,6 @@ COMMAND_LINE = "command line"
 # working directory); on the command line they are relative to the working directory.
 RECIPE_RELATIVE_PATHS = ("model.hf_path", "data.train_path", "data.trajectories_path", "actor.load", "critic.load",
                          "value_pretrain.corpus_dir")
-
-
-class ConfigError(ValueError):
-    """A user error in a recipe or an override; the message names the key and its source."""
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:

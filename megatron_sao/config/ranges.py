@@ -1,4 +1,5 @@
-"""Range checks of single numeric fields, and names that become paths.
+"""Range checks of single numeric fields, and names that become paths: every such check of the
+configuration lives here (`RANGES`).
 
 The loader already refuses non-finite numbers (NaN, inf) for every float field; this table says
 which values each field may take, so a recipe cannot ask for a NaN temperature, a negative
@@ -14,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from megatron_sao.config.loader import ConfigError
+from megatron_sao.config.errors import ConfigError
 from megatron_sao.config.schema import SaoConfig
 
 Check = tuple[Callable[[Any], bool], str]
@@ -24,6 +25,8 @@ _NON_NEGATIVE: Check = (lambda v: v >= 0, ">= 0")
 _AT_LEAST_ONE: Check = (lambda v: v >= 1, ">= 1")
 _FRACTION_OPEN: Check = (lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 _FRACTION_HALF_OPEN: Check = (lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+_FRACTION_OPEN_BOTH: Check = (lambda v: 0.0 < v < 1.0, "in (0, 1)")
+_FRACTION_CLOSED: Check = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 _TOP_K: Check = (lambda v: v == -1 or v >= 1, "-1 (no top-k) or >= 1")
 
 _OPTIM = {
@@ -46,12 +49,25 @@ RANGES: dict[str, Check] = {
                                              "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
     "model.moe_aux_loss_coeff": _NON_NEGATIVE,
     "parallelism.world_size": _AT_LEAST_ONE,
+    **{f"parallelism.{k}": _AT_LEAST_ONE for k in ("tensor", "pipeline", "expert", "context", "expert_tensor")},
     **{f"{role}.optim.{k}": c for role in ("actor", "critic") for k, c in _OPTIM.items()},
     **{f"{role}.{k}": c for role in ("actor", "critic") for k, c in _ROLE.items()},
     "actor.num_mini_batches": _AT_LEAST_ONE,
     "critic.value_clip": _POSITIVE,
     "critic.value_head_init_std": _POSITIVE,
+    "critic.updates_per_actor_step": _AT_LEAST_ONE,
+    "critic.warmup_steps": _NON_NEGATIVE,
+    "algorithm.eps_low": _FRACTION_OPEN_BOTH,
+    "algorithm.eps_high": _POSITIVE,
+    "algorithm.clip_low": _FRACTION_OPEN,
+    "algorithm.clip_high": _NON_NEGATIVE,
+    "algorithm.gamma": _FRACTION_HALF_OPEN,
+    "algorithm.lambda_policy": _FRACTION_CLOSED,
+    "algorithm.lambda_critic": _FRACTION_CLOSED,
     "algorithm.lambda_alpha": _POSITIVE,
+    "algorithm.group_size": _AT_LEAST_ONE,
+    "algorithm.max_staleness": _NON_NEGATIVE,
+    "algorithm.running_mean_window": _AT_LEAST_ONE,
     "rollout.num_engines": _AT_LEAST_ONE,
     "rollout.sglang.tensor": _AT_LEAST_ONE,
     "rollout.sglang.expert": _AT_LEAST_ONE,

@@ -1,11 +1,12 @@
 """Cross-field checks: combinations that would fail (or silently misbehave) later are rejected
-before anything starts. Field types are already checked by the loader."""
+before anything starts. Field types are already checked by the loader, and the range of every
+single numeric field by `ranges.py` (which runs first)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_sao.config.loader import ConfigError
+from megatron_sao.config.errors import ConfigError
 from megatron_sao.config.schema import SaoConfig
 
 # Must equal ("all",) + megatron_sao.models.param_groups.GROUPS (a test checks it; config imports nothing).
@@ -40,11 +41,8 @@ def _check(ok: bool, message: str, source: str) -> None:
 
 def validate_config(config: SaoConfig, source: str = "config") -> None:
     """Raise ConfigError naming the offending keys for any impossible combination."""
-    p, a, c = config.parallelism, config.algorithm, config.critic
-    for name in ("tensor", "pipeline", "expert", "context"):
-        _check(getattr(p, name) >= 1, f"parallelism.{name} must be >= 1, got {getattr(p, name)}", source)
+    p, a = config.parallelism, config.algorithm
     etp = expert_tensor_size(config)
-    _check(etp >= 1, f"parallelism.expert_tensor must be >= 1, got {etp}", source)
     world = trainer_world_size(config)
     _check(world >= 1, f"trainer world size must be >= 1, got {world}", source)
     dense = p.tensor * p.pipeline * p.context
@@ -70,29 +68,10 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
     if p.virtual_pipeline is not None:
         _check(p.pipeline > 1, "parallelism.virtual_pipeline needs parallelism.pipeline > 1", source)
 
-    _check(0.0 < a.eps_low < 1.0, f"algorithm.eps_low must be in (0, 1), got {a.eps_low}", source)
-    _check(a.eps_high > 0.0, f"algorithm.eps_high must be > 0, got {a.eps_high}", source)
-    _check(0.0 <= a.clip_low < 1.0, f"algorithm.clip_low must be in [0, 1), got {a.clip_low}", source)
-    _check(a.clip_high >= 0.0, f"algorithm.clip_high must be >= 0, got {a.clip_high}", source)
-    _check(0.0 < a.gamma <= 1.0, f"algorithm.gamma must be in (0, 1], got {a.gamma}", source)
-    if a.lambda_policy is not None:
-        _check(0.0 <= a.lambda_policy <= 1.0, f"algorithm.lambda_policy must be in [0, 1], got "
-               f"{a.lambda_policy}", source)
-    _check(0.0 <= a.lambda_critic <= 1.0, f"algorithm.lambda_critic must be in [0, 1], got "
-           f"{a.lambda_critic}", source)
-    _check(a.lambda_alpha > 0.0, f"algorithm.lambda_alpha must be > 0, got {a.lambda_alpha}", source)
-    _check(a.group_size >= 1, f"algorithm.group_size must be >= 1, got {a.group_size}", source)
     if a.advantage == "grpo":
         _check(a.group_size >= 2, "algorithm.advantage=grpo needs algorithm.group_size >= 2", source)
-    _check(a.max_staleness >= 0, f"algorithm.max_staleness must be >= 0, got {a.max_staleness}", source)
-    _check(a.running_mean_window >= 1, "algorithm.running_mean_window must be >= 1", source)
 
-    _check(c.updates_per_actor_step >= 1, "critic.updates_per_actor_step must be >= 1, got "
-           f"{c.updates_per_actor_step}", source)
-    _check(c.warmup_steps >= 0, f"critic.warmup_steps must be >= 0, got {c.warmup_steps}", source)
     for role_name, role in (("actor", config.actor), ("critic", config.critic)):
-        _check(role.optim.lr >= 0, f"{role_name}.optim.lr must be >= 0", source)
-        _check(role.micro_batch_size >= 1, f"{role_name}.micro_batch_size must be >= 1", source)
         for list_name in ("trainable", "frozen"):
             for i, group in enumerate(getattr(role, list_name)):
                 if group.startswith("re:"):
@@ -109,16 +88,9 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
                         f"{', '.join(PARAM_GROUPS)} or re:<regex> (in {source})"
                     )
 
-    for role_name, role in (("actor", config.actor), ("critic", config.critic)):
-        if role.max_tokens_per_micro_batch is not None:
-            _check(role.max_tokens_per_micro_batch >= 1, f"{role_name}.max_tokens_per_micro_batch must be >= 1 "
-                   "or null", source)
-    _check(config.actor.num_mini_batches >= 1, "actor.num_mini_batches must be >= 1", source)
     _check(config.actor.num_mini_batches <= config.data.batch_size, f"actor.num_mini_batches="
            f"{config.actor.num_mini_batches} exceeds data.batch_size={config.data.batch_size}", source)
-    _check(config.run.max_consecutive_skipped_steps >= 1, "run.max_consecutive_skipped_steps must be >= 1", source)
     r = config.rollout
-    _check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}", source)
     # The trainer divides its logits by the engine's temperature, but the engine reports log-probs
     # of the unfiltered distribution while sampling from the filtered one: DIS's ratio would then
     # compare a distribution that was not sampled from.
@@ -129,11 +101,6 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
     _check_rollout_names(config, source)
     if r.source == "recorded":
         _check(bool(config.data.trajectories_path), "rollout.source=recorded needs data.trajectories_path", source)
-    _check(config.data.batch_size >= 1, "data.batch_size must be >= 1", source)
-    _check(config.run.total_steps >= 0, "run.total_steps must be >= 0", source)
-    _check(config.rollout.num_engines >= 1, "rollout.num_engines must be >= 1", source)
-    _check(config.rollout.max_turns >= 1, "rollout.max_turns must be >= 1", source)
-    _check(0.0 < config.rollout.top_p <= 1.0, "rollout.top_p must be in (0, 1]", source)
     if config.model.build_tiny:
         _check(bool(config.model.hf_path), "model.build_tiny needs model.hf_path (where to build it)", source)
 

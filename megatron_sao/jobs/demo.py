@@ -134,6 +134,7 @@ def export_actor_rank(config: SaoConfig, out: str) -> None:
     from megatron_sao.models.hf_export import export_hf_state
     from megatron_sao.platform import init_model_parallel
     from megatron_sao.training.checkpoint import load_model_weights
+    from megatron_sao.utils.atomic import replace_dir
 
     one = replace(config, parallelism=replace(config.parallelism, tensor=1, pipeline=1, expert=1, world_size=1))
     init_model_parallel(one.parallelism, seed=one.run.seed)
@@ -144,7 +145,7 @@ def export_actor_rank(config: SaoConfig, out: str) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(config.model.hf_path, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, str(staging / "model.safetensors"))
-    staging.rename(out)
+    replace_dir(staging, Path(out))
 
 
 def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path) -> float:

@@ -9,7 +9,7 @@ callers need on top:
 
 - a critic (`role="critic"`): the bridge knows causal LMs only, so the trunk streams from a
   causal-LM view of the checkpoint directory without the LM-head task, and the value head is
-  appended as `score.weight` / `score.bias` (the critic HF format, `checkpointing.critic_format`);
+  appended as `score.weight` / `score.bias` (the critic HF format, `models.critic_format`);
 - an optional cast of floating tensors (`dtype`, e.g. bfloat16 for engines after fp32 training);
 - buckets (`HFWeightExporter.buckets`): consecutive tensors grouped up to a byte budget, built on
   rank 0 only, so that rank 0 holds at most one bucket (plus the bridge's current tensor) while it
@@ -38,7 +38,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from megatron_sao.checkpointing import critic_format as cf
+from megatron_sao.models import critic_format as cf
 from megatron_sao.models.bridge_compat import load_auto_bridge
 
 Role = Literal["actor", "critic"]

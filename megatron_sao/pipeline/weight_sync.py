@@ -39,6 +39,7 @@ import torch
 from megatron_sao.models.hf_export import HFWeightExporter, tensor_nbytes
 from megatron_sao.platform.distributed import free_port
 from megatron_sao.rollout import weight_transfer as wt
+from megatron_sao.utils.atomic import replace_dir
 
 SyncMode = Literal["tensor", "distributed", "disk"]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -282,8 +283,7 @@ class WeightSync:
         for entry in sorted(Path(self.exporter.hf_dir).iterdir()):  # config, tokenizer: a loadable HF dir
             if entry.is_file() and not entry.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copy2(entry, tmp / entry.name)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        replace_dir(tmp, final, durable=False)  # read by the engines at once; a crash writes the next version
         report.path = str(final)
         await _each(clients, f"update_weights_from_disk ({final})",
                     lambda c: c.update_weights_from_disk(str(final), weight_version=version, flush_cache=False))

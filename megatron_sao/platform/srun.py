@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.platform.spawn import rank_failure, user_error_of
+from megatron_sao.utils.atomic import atomic_write_bytes
 
 STOP_SIGNAL = signal.SIGUSR2
 """What the caller sends srun for a graceful stop; tasks treat it as SIGTERM."""
@@ -148,9 +149,7 @@ def _task_main(payload: Path) -> int:
     finally:
         with contextlib.suppress(Exception):
             destroy_distributed()
-    tmp = out.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(record))
-    tmp.replace(out)
+    atomic_write_bytes(out, pickle.dumps(record), durable=False)  # read once by the launcher, then deleted
     return 0 if record[0] else 1
 
 

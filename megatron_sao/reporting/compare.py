@@ -10,12 +10,12 @@ of that phase's final level (`recovery`). Written as PNG files and `index.html` 
 from __future__ import annotations
 
 import html
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_sao.reporting.metrics import read_metrics, series
 from megatron_sao.reporting.report import CSS, PAGE_NAME
+from megatron_sao.utils.atomic import atomic_write_text
 
 COMPARED_KEYS = ("train/reward_mean", "train/success_rate", "critic/explained_variance")
 
@@ -103,9 +103,7 @@ def write_comparison(runs: dict[str, Path], out_dir: Path, phase_steps: int | No
     if phase_steps:
         for label, r in rows.items():
             result.phases[label] = phase_stats(*series(r, "train/reward_mean"), phase_steps, smooth=smooth)
-    tmp = result.page.with_suffix(".html.tmp")
-    tmp.write_text(_page(runs, result, phase_steps), encoding="utf-8")
-    os.replace(tmp, result.page)
+    atomic_write_text(result.page, _page(runs, result, phase_steps), durable=False)  # rebuilt at will
     return result
 
 

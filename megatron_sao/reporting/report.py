@@ -11,13 +11,13 @@ metrics are gone is deleted so that the directory matches the page.
 from __future__ import annotations
 
 import html
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_sao.reporting.metrics import logged_keys, read_metrics, run_name, series
 from megatron_sao.reporting.panels import PANELS, Panel, draw_panel
+from megatron_sao.utils.atomic import atomic_write_text
 
 PAGE_NAME = "index.html"
 SUMMARY_KEYS = ("train/reward_mean", "critic/explained_variance", "train/response_length_mean",
@@ -68,9 +68,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         report.figures.append(draw_panel(panel, rows, keys, png))
         sections.append((panel, png, panel.missing_keys(logged)))
     page = _page(run_name(metrics_path), run_dir, rows, sections)
-    tmp = report.page.with_suffix(".html.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, report.page)
+    atomic_write_text(report.page, page, durable=False)  # a page rebuilt from the run directory at will
     return report
 
 

@@ -2,8 +2,8 @@
 LR scheduler and RNG state (docs/checkpoints.md).
 
 Each role directory is one Megatron `dist_checkpointing` torch_dist checkpoint. Model keys come
-from `mcore_io.model_state` (layout- and layer-spec-free), so `mcore_io.load_model` reads a
-training checkpoint and a `sao convert hf-to-mcore` output loads as weights. The distributed
+from `checkpointing.keys.model_state` (layout- and layer-spec-free), the keys conversion saves
+under too, so a `sao convert hf-to-mcore` output loads as weights (`checkpoint_weights`). The distributed
 optimizer is stored `fully_reshardable`: its shards are gathered over DP into per-parameter
 tensors keyed by the model key, so the state reshards across TP, PP, EP and DP like the weights
 (`dp_reshardable` would only allow a DP change). The plain optimizer is keyed the same way.
@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_sao.checkpointing.mcore_io import model_state
-from megatron_sao.checkpointing.model_setup import unwrap
+from megatron_sao.checkpointing.keys import model_state, unwrap
 from megatron_sao.platform.collective import (
     barrier,
     broadcast_object,
@@ -38,6 +37,7 @@ from megatron_sao.training.checkpoint_files import find_latest_checkpoint
 from megatron_sao.training.checkpoint_rng import RNG_KEY, current_layout, rng_object, rng_state, set_rng_state
 from megatron_sao.training.checkpoint_weights import load_model_weights
 from megatron_sao.training.optim import RoleOptimizer
+from megatron_sao.utils.atomic import atomic_write_text
 
 __all__ = ["finalize_async_saves", "find_latest_checkpoint", "load_checkpoint", "load_model_weights",
            "save_checkpoint"]
@@ -140,7 +140,7 @@ def save_checkpoint(checkpoints_dir: Path, step: int, roles: dict[str, RoleOptim
         shutil.rmtree(partial, ignore_errors=True)  # a killed earlier attempt at this step
         for name in roles:
             (partial / name).mkdir(parents=True)
-        files.write_durable(partial / files.TRAINER_STATE_FILE, state_text)
+        atomic_write_text(partial / files.TRAINER_STATE_FILE, state_text)
 
     _on_rank0(f"preparing {partial}", prepare)
     rng = rng_state()

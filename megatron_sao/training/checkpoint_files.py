@@ -29,6 +29,7 @@ from typing import Any
 
 from megatron_sao.checkpointing.digest import digest_file, entry_digest
 from megatron_sao.checkpointing.manifest import library_versions, sha256_file, tree_checksum
+from megatron_sao.utils.atomic import atomic_write_text, fsync_path, replace_dir
 
 logger = logging.getLogger(__name__)
 
@@ -79,26 +80,6 @@ def partial_dir(checkpoints_dir: Path, step: int) -> Path:
     return checkpoints_dir / (iter_dir_name(step) + PARTIAL_SUFFIX)
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file, or a directory (so renames and new entries in it are durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durable(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically: a temporary sibling, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
 def read_tracker(checkpoints_dir: Path) -> int | None:
     """The step the tracker names, or None when it is absent or unreadable (logged)."""
     path = checkpoints_dir / TRACKER_FILE
@@ -112,7 +93,7 @@ def read_tracker(checkpoints_dir: Path) -> int | None:
 
 
 def write_tracker(checkpoints_dir: Path, step: int) -> None:
-    write_durable(checkpoints_dir / TRACKER_FILE, f"{step}\n")
+    atomic_write_text(checkpoints_dir / TRACKER_FILE, f"{step}\n")
 
 
 def is_complete(iter_dir: Path) -> bool:
@@ -159,7 +140,7 @@ def read_manifest(iter_dir: Path) -> CheckpointManifest:
 def write_manifest(directory: Path, manifest: CheckpointManifest) -> None:
     manifest.checksum = tree_checksum(manifest.files)
     manifest.versions = library_versions()
-    write_durable(directory / MANIFEST_FILE, json.dumps(asdict(manifest), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(directory / MANIFEST_FILE, json.dumps(asdict(manifest), indent=1, sort_keys=True) + "\n")
 
 
 def list_files(root: Path) -> list[str]:
@@ -201,18 +182,10 @@ def verify_files(root: Path, files: dict[str, dict[str, Any]], names: list[str])
 
 
 def commit(partial: Path, final: Path) -> None:
-    """Make `partial` the complete checkpoint `final` (rename + directory fsync). A previous `final`
-    (the same step saved again) is moved aside first and deleted only after the rename."""
-    for sub in [p for p in partial.rglob("*") if p.is_dir()] + [partial]:
-        fsync_path(sub)
-    stale = None
-    if final.exists():
-        stale = final.with_name(final.name + f".old-{os.getpid()}")
-        os.replace(final, stale)
-    os.replace(partial, final)
-    fsync_path(final.parent)
-    if stale is not None:
-        shutil.rmtree(stale, ignore_errors=True)
+    """Make `partial` the complete checkpoint `final` (everything synced, renamed, the directory
+    synced). A previous `final` (the same step saved again) is moved aside to `<final>.old-<pid>`
+    (a leftover `prune` recognises) and deleted only after the rename."""
+    replace_dir(partial, final, aside=final.with_name(final.name + f".old-{os.getpid()}"))
 
 
 def prune(checkpoints_dir: Path, keep_last: int) -> list[Path]:

@@ -4,7 +4,10 @@ Accepted paths: a run's checkpoints directory (its latest complete checkpoint), 
 `iter_NNNNNNN` directory, one role directory inside it, or a `sao convert hf-to-mcore` output.
 Only the model weights are read (no optimizer, scheduler or RNG state: a new run), and they
 reshard into any layout. Files are checked against the checkpoint's recorded digests first
-(SHA-256 in a run's checkpoint, xxh3-128 in a conversion output), each rank checking a share.
+(SHA-256 in a run's checkpoint, xxh3-128 in a conversion output), each rank checking a share; the
+weights then load through Megatron's standard `dist_checkpointing.load` under the keys both
+training and conversion save them under (`checkpointing.keys.model_state`), as `load_checkpoint`
+loads a resume. Nothing of conversion's own I/O (`checkpointing/fastio/`, `mcore_io`) is used.
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.checkpointing import manifest as convert_manifest
-from megatron_sao.checkpointing.mcore_io import load_model
-from megatron_sao.checkpointing.model_setup import unwrap
+from megatron_sao.checkpointing.keys import model_state, unwrap
 from megatron_sao.platform.collective import raise_if_any, rank, world_size
 from megatron_sao.training import checkpoint_files as files
 
@@ -65,10 +67,16 @@ def load_model_weights(path: Path, role: str, chunks: list) -> Path:
     Call it before building the role's optimizer (or call the optimizer's `reload_model_params()`
     after): with bf16 weights the optimizer keeps its own fp32 copies.
     """
+    from megatron.core import dist_checkpointing
+
     directory, root, table = resolve_weights_dir(Path(path), role)
     convert_manifest.check_dist_checkpoint_files(directory)
     names = sorted(table)
     raise_if_any(files.verify_files(root, table, files.my_share(names, rank(), world_size())))
-    load_model([unwrap(c) for c in chunks], directory)
+    models = [unwrap(c) for c in chunks]
+    state = model_state(models)
+    loaded = dist_checkpointing.load(state, str(directory))  # Megatron's default torch_dist load strategy
+    for key, model in zip(state, models, strict=True):  # "model" or "model0", "model1", ...: in chunk order
+        model.load_state_dict(loaded[key], strict=True)
     logger.info("%s: loaded weights from %s", role, directory)
     return directory

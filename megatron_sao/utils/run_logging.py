@@ -10,6 +10,7 @@ from typing import Any
 
 from megatron_sao.config.loader import dump_config
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.utils.atomic import atomic_path, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +29,11 @@ def prepare_run_dir(config: SaoConfig, resume_step: int | None = None) -> Path:
     run_dir = run_dir_of(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
-    if resume_step is not None and path.is_file():
-        new = run_dir / "config.yaml.new"
+    previous = path.read_text() if resume_step is not None and path.is_file() else None
+    with atomic_path(path) as new:
         dump_config(config, new)
-        if new.read_text() == path.read_text():
-            new.unlink()
-            return run_dir
-        path.replace(run_dir / f"config.before_step_{resume_step:07d}.yaml")
-        new.replace(path)
-        return run_dir
-    dump_config(config, path)
+        if previous is not None and new.read_text() != previous:
+            atomic_write_text(run_dir / f"config.before_step_{resume_step:07d}.yaml", previous)
     return run_dir
 
 
@@ -54,9 +50,7 @@ def truncate_metrics(path: Path, last_step: int) -> int:
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
             kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))
     return len(kept)
 
 

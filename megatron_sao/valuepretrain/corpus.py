@@ -4,11 +4,11 @@
     <corpus_dir>/train-00000.parquet      trajectories of the training split (rollout/trajectory_io.py schema)
     <corpus_dir>/heldout-00000.parquet    trajectories of the held-out prompts
 
-A shard is written to `<name>.tmp`, flushed, hashed and renamed; only then is it added to the
-manifest, which is itself replaced atomically. So a shard named in the manifest is complete, and
-anything else in the directory (a `.tmp`, a shard missing from the manifest) is the leftover of an
-interrupted write and is rewritten by a resumed `generate`. Row groups (`row_group_size` rows)
-are the unit the trainer's data-parallel ranks read and shuffle.
+A shard is written to a temporary sibling (`utils.atomic`: `.<name>.<token>.tmp`), synced, hashed
+and renamed; only then is it added to the manifest, which is itself replaced atomically. So a shard
+named in the manifest is complete, and anything else in the directory (a temporary, a shard missing
+from the manifest) is the leftover of an interrupted write and is rewritten by a resumed `generate`.
+Row groups (`row_group_size` rows) are the unit the trainer's data-parallel ranks read and shuffle.
 
 Which split a prompt belongs to is a pure function of the prompt id and the seed (`is_heldout`),
 so every sample of a prompt lands in the same split and no held-out prompt is ever trained on.
@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 from megatron_sao.rollout.trajectory import Trajectory
 from megatron_sao.rollout.trajectory_io import SCHEMA_VERSION
+from megatron_sao.utils.atomic import atomic_path, atomic_write_json
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
@@ -212,19 +212,13 @@ def _kind(value: Any) -> str:
 def write_manifest(corpus_dir: str | Path, manifest: Manifest) -> Path:
     """Atomic replace (write, fsync, rename): a reader sees the old or the new manifest, never half."""
     path = Path(corpus_dir) / MANIFEST_FILE
-    tmp = path.with_suffix(".json.tmp")
-    with tmp.open("w") as f:
-        json.dump(manifest.to_dict(), f, indent=1, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    atomic_write_json(path, manifest.to_dict())
     return path
 
 
 def write_shard(corpus_dir: str | Path, name: str, trajectories: Sequence[Trajectory], row_group_size: int,
                 dropped: dict[str, int] | None = None) -> ShardInfo:
-    """Write one shard (through `<name>.tmp`, renamed once complete) and describe it."""
+    """Write one shard (through a temporary sibling, renamed once complete) and describe it."""
     import pyarrow.parquet as pq
 
     from megatron_sao.rollout.trajectory_io import trajectories_to_table
@@ -232,23 +226,19 @@ def write_shard(corpus_dir: str | Path, name: str, trajectories: Sequence[Trajec
     if row_group_size < 1:
         raise ValueError(f"value_pretrain.row_group_size must be >= 1, got {row_group_size}")
     split = name.split("-", 1)[0]
-    final = Path(corpus_dir) / name
-    tmp = final.with_name(final.name + ".tmp")
     table = trajectories_to_table(trajectories)
-    pq.write_table(table, str(tmp), row_group_size=row_group_size)
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    metadata = pq.ParquetFile(tmp).metadata
-    row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-    reward = RewardStats()
-    for traj in trajectories:
-        reward.add(traj.total_reward)
-    info = ShardInfo(name=name, split=split, sha256=sha256_file(tmp), num_bytes=tmp.stat().st_size,
-                     num_rows=len(trajectories), row_groups=row_groups, tokens=sum(len(t) for t in trajectories),
-                     action_tokens=sum(t.num_action_tokens for t in trajectories),
-                     statuses=dict(Counter(str(t.status) for t in trajectories)), reward=reward,
-                     dropped=dict(dropped or {}))
-    tmp.replace(final)
+    with atomic_path(Path(corpus_dir) / name) as tmp:
+        pq.write_table(table, str(tmp), row_group_size=row_group_size)
+        metadata = pq.ParquetFile(tmp).metadata
+        row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+        reward = RewardStats()
+        for traj in trajectories:
+            reward.add(traj.total_reward)
+        info = ShardInfo(name=name, split=split, sha256=sha256_file(tmp), num_bytes=tmp.stat().st_size,
+                         num_rows=len(trajectories), row_groups=row_groups, tokens=sum(len(t) for t in trajectories),
+                         action_tokens=sum(t.num_action_tokens for t in trajectories),
+                         statuses=dict(Counter(str(t.status) for t in trajectories)), reward=reward,
+                         dropped=dict(dropped or {}))
     return info
 
 

@@ -9,7 +9,7 @@ moment all of its trajectories are in, rows sorted by (prompt, sample); the mani
 
 Resume: the plan is a pure function of the prompt file and the settings recorded in the manifest
 (`generation`), so a rerun skips the shards the manifest names (after checking their hashes),
-deletes leftover `.tmp` files, and generates the rest. Changing a recorded setting and rerunning
+deletes leftover temporaries (`*.tmp`), and generates the rest. Changing a recorded setting and rerunning
 into the same corpus directory is refused. Trajectories the agent loop ends FAILED or ABORTED are
 not written; they are counted per shard under `dropped`.
 """
@@ -108,7 +108,7 @@ def open_corpus(corpus_dir: Path, record: dict[str, Any]) -> Manifest:
             else:
                 logger.warning("shard %s is missing or changed since it was written: generating it again", shard.name)
         manifest.shards = kept
-    for leftover in corpus_dir.glob("*.tmp"):
+    for leftover in corpus_dir.glob("*.tmp"):  # `utils.atomic`'s temporaries (hidden) and older `<shard>.tmp`
         leftover.unlink()
     return manifest
 

@@ -17,7 +17,6 @@ steps and after the last one writes `calibration.json` (and one per step under `
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.utils.atomic import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,7 @@ def _dp_all_gather(obj: Any) -> list[Any]:
 
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write_json(path, data)
 
 
 def pretrain_rank(config: SaoConfig, run_dir: str, resume_from: str | None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from megatron_sao.checkpointing.hf_files import HFCheckpoint, read_safetensors_header
 from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 
 
@@ -64,6 +65,24 @@ def tiny_checkpoint(root: Path, family: str, dtype: torch.dtype, mtp_passthrough
     return path
 
 
+def small_hf_checkpoint(directory: Path) -> HFCheckpoint:
+    """A one-file safetensors checkpoint of awkward tensors (bf16 and fp32 at unaligned offsets, one
+    larger than the test buckets, int64, empty) and its parsed header: for the HF reader tests."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {f"layer.{i}.w": torch.randn(16, 16, generator=generator).to(torch.bfloat16) for i in range(8)}  # 512 B
+    tensors["big"] = torch.randn(64, 64, generator=generator)  # 16 KB, larger than any bucket the tests use
+    tensors["ids"] = torch.arange(5, dtype=torch.int64)
+    tensors["empty"] = torch.zeros(0, 3)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return HFCheckpoint(path=directory, config={}, tensors=read_safetensors_header(directory / "model.safetensors"))
+
+
+def safetensors_reference(checkpoint: HFCheckpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of a one-file checkpoint, read by safetensors itself."""
+    with safe_open(str(checkpoint.path / "model.safetensors"), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a mapping
+
+
 def split_into_shards(directory: Path, num_shards: int = 2) -> None:
     """Re-save a single-file checkpoint as `num_shards` files plus model.safetensors.index.json."""
     tensors = load_file(directory / "model.safetensors")
@@ -92,7 +111,7 @@ def refuse_direct_io(monkeypatch, call: str = "preadv") -> list[int]:
     import fcntl
     import os
 
-    from megatron_sao.checkpointing import direct_io
+    from megatron_sao.checkpointing.fastio import direct_io
 
     refused: list[int] = []
     real = getattr(os, call)

@@ -7,6 +7,7 @@ traceback) under its own key, so one broken family does not hide the others' res
 
 from __future__ import annotations
 
+import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,10 @@ class FamilyCase:
     critic: bool = False
     """Also: actor -> critic -> HF critic -> critic -> HF critic."""
     training_load: bool = False
-    """Also: load the TP2 actor checkpoint with training's builder in TP1 / EP2 / PP2, and export a
-    bare dist checkpoint (no manifest, no hf/) with --hf-config."""
+    """Also: load the TP2 actor checkpoint with training's builder and loader in TP1 / EP2 / PP2, and
+    export a bare dist checkpoint (no manifest, no hf/) with --hf-config."""
+    fastio: bool = False
+    """Convert on the fast-I/O path (`--fastio`)."""
 
 
 def layout_name(layout: Layout) -> str:
@@ -44,16 +47,18 @@ def _step(results: dict[str, Any], key: str, fn, *args) -> Any:
     return results[key]
 
 
-def _hf_to_mcore(src: Path, out: Path, layout: Layout, role: str | None = None) -> dict:
+def _hf_to_mcore(src: Path, out: Path, layout: Layout, fastio: bool, role: str | None = None) -> dict:
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
 
-    return convert_hf_to_mcore(HfToMcoreRequest(hf_dir=src, out_dir=out, layout=layout, role=role, progress=False))
+    return convert_hf_to_mcore(HfToMcoreRequest(hf_dir=src, out_dir=out, layout=layout, role=role, progress=False,
+                                                fastio=fastio))
 
 
-def _mcore_to_hf(src: Path, out: Path, layout: Layout) -> dict:
+def _mcore_to_hf(src: Path, out: Path, layout: Layout, fastio: bool) -> dict:
     from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
 
-    return convert_mcore_to_hf(McoreToHfRequest(mcore_dir=src, out_dir=out, layout=layout, progress=False))
+    return convert_mcore_to_hf(McoreToHfRequest(mcore_dir=src, out_dir=out, layout=layout, progress=False,
+                                                fastio=fastio))
 
 
 def _verify(hf: Path, mcore: Path, layout: Layout) -> dict:
@@ -64,14 +69,15 @@ def _verify(hf: Path, mcore: Path, layout: Layout) -> dict:
 
 
 def _training_logits(mcore: Path, layouts: list[Layout]) -> dict:
-    """Training's own builder (models.build_model, no conversion overrides) + mcore_io.load_model."""
+    """Training's own builder (models.build_model, no conversion overrides) and loader
+    (`load_model_weights`, what `actor.load` runs: Megatron's standard dist_checkpointing.load)."""
     import torch
 
-    from megatron_sao.checkpointing.mcore_io import load_model
     from megatron_sao.checkpointing.verify import forward_outputs, hf_outputs, prompt_token_ids
     from megatron_sao.config import load_config
     from megatron_sao.models import build_model
     from megatron_sao.platform import init_model_parallel
+    from megatron_sao.training.checkpoint import load_model_weights
 
     tokens = prompt_token_ids(mcore / "hf", "The quick brown fox jumps over the lazy dog, twice. " * 2, 32)
     outputs = {}
@@ -82,7 +88,7 @@ def _training_logits(mcore: Path, layouts: list[Layout]) -> dict:
             "parallelism.world_size=2", "logging.param_table=false"])
         init_model_parallel(config.parallelism, seed=7)
         chunks = build_model(config, role="actor").chunks
-        load_model(chunks, mcore)
+        load_model_weights(mcore, "actor", chunks)
         outputs[layout_name(layout)] = forward_outputs(chunks, tokens)
     hf_dir = Path(str(mcore).replace("mcore_", "hf_"))
     reference = hf_outputs(hf_dir, tokens)[1] if torch.distributed.get_rank() == 0 else None
@@ -109,31 +115,36 @@ def _bare_export(mcore: Path, bare: Path, hf_config: Path, out: Path) -> dict:
 
 
 def run_family(case: FamilyCase) -> dict[str, Any]:
-    """Collective. Keys: import/<layout>, export/<layout>, verify/<layout>, critic/*, training."""
+    """Collective. Keys: import/<layout>, export/<layout>, verify/<layout>, critic/*, training, and
+    fastio_loaded: whether `checkpointing.fastio` was imported in this process by then."""
     results: dict[str, Any] = {}
+    io = case.fastio
     for imp, exp in case.layouts:
         mcore = case.work / f"mcore_{layout_name(imp)}"
         hf = case.work / f"hf_{layout_name(imp)}"
-        if "error" in _step(results, f"import/{layout_name(imp)}", _hf_to_mcore, case.hf_dir, mcore, imp):
+        if "error" in _step(results, f"import/{layout_name(imp)}", _hf_to_mcore, case.hf_dir, mcore, imp, io):
             continue
-        _step(results, f"export/{layout_name(imp)}", _mcore_to_hf, mcore, hf, exp)
-    first = case.work / f"mcore_{layout_name(case.layouts[0][0])}"
+        _step(results, f"export/{layout_name(imp)}", _mcore_to_hf, mcore, hf, exp, io)
     for layout in case.verify_layouts:
+        first = case.work / f"mcore_{layout_name(case.layouts[0][0])}"
         _step(results, f"verify/{layout_name(layout)}", _verify, case.hf_dir, first, layout)
     if case.critic:
         c = case.work
-        _step(results, "critic/from_actor", _hf_to_mcore, case.hf_dir, c / "critic_mcore_a", Layout(tp=2), "critic")
-        _step(results, "critic/export_a", _mcore_to_hf, c / "critic_mcore_a", c / "critic_hf_a", Layout(pp=2))
-        _step(results, "critic/reimport", _hf_to_mcore, c / "critic_hf_a", c / "critic_mcore_b", Layout(ep=2))
-        _step(results, "critic/export_b", _mcore_to_hf, c / "critic_mcore_b", c / "critic_hf_b", Layout())
+        _step(results, "critic/from_actor", _hf_to_mcore, case.hf_dir, c / "critic_mcore_a", Layout(tp=2), io,
+              "critic")
+        _step(results, "critic/export_a", _mcore_to_hf, c / "critic_mcore_a", c / "critic_hf_a", Layout(pp=2), io)
+        _step(results, "critic/reimport", _hf_to_mcore, c / "critic_hf_a", c / "critic_mcore_b", Layout(ep=2), io)
+        _step(results, "critic/export_b", _mcore_to_hf, c / "critic_mcore_b", c / "critic_hf_b", Layout(), io)
         _step(results, "critic/verify", _verify, c / "critic_hf_a", c / "critic_mcore_b", Layout(tp=2))
     if case.training_load:
         _step(results, "bare/export", _bare_export, case.work / "mcore_tp1pp1ep1", case.work / "bare_mcore",
               case.hf_dir, case.work / "hf_bare")
         tp2 = case.work / "mcore_tp2pp1ep1"
         _step(results, "training", _training_logits, tp2, [Layout(), Layout(ep=2), Layout(pp=2)])
+    results["fastio_loaded"] = "megatron_sao.checkpointing.fastio" in sys.modules
     return results
 
 
 def run_families(cases: list[FamilyCase]) -> dict[str, dict[str, Any]]:
+    """Every case in order (callers put the standard-path cases before the fast-I/O ones)."""
     return {case.name: run_family(case) for case in cases}

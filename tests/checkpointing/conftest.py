@@ -1,6 +1,8 @@
 """Session fixtures: tiny checkpoints of every family, converted on 2 gloo ranks: what the default
 run checks in one job (`conversions`), the rest of the family x layout matrix in a second one
-(`more_conversions`) that only `slow` tests ask for."""
+(`more_conversions`) that only `slow` tests ask for. Both jobs convert on the standard path first,
+then some of the same cases again on the fast-I/O path (`--fastio`, results under
+`case_key(family, fastio=True)`)."""
 
 from __future__ import annotations
 
@@ -45,18 +47,34 @@ DEFAULT_RUN_LAYOUTS = {
 }
 # Issue 14 asks for the critic round trip of every family in the default suite.
 DEFAULT_RUN_CRITICS = set(DEFAULT_FAMILIES)
+# The fast-I/O path (off by default) in the default run: Qwen3-MoE's round trips of
+# DEFAULT_RUN_LAYOUTS. The slow job runs every other family's DEFAULT_RUN_LAYOUTS and every critic
+# chain on it too.
+DEFAULT_RUN_FASTIO = {"qwen3_moe"}
 
 
-def conversion_param(family: str, layout: str | None = None):
-    """pytest.param(family[, layout], job): the session fixture that converts it, `conversions` (default
-    run) or `more_conversions` (marked slow). Without a layout: the family's critic chain."""
-    if layout is None:
+def case_key(family: str, fastio: bool = False) -> str:
+    return f"{family}@fastio" if fastio else family
+
+
+def fastio_layouts(family: str) -> list[str]:
+    """The import layouts each family round-trips on the fast-I/O path."""
+    return [layout_name(imp) for imp, _ in DEFAULT_RUN_LAYOUTS[family]]
+
+
+def conversion_param(family: str, layout: str | None = None, fastio: bool = False):
+    """pytest.param(family[, layout], fastio, job): the session fixture that converts it, `conversions`
+    (default run) or `more_conversions` (marked slow). Without a layout: the family's critic chain."""
+    if fastio:
+        fast = layout is not None and family in DEFAULT_RUN_FASTIO
+    elif layout is None:
         fast = family in DEFAULT_RUN_CRITICS
     else:
         fast = layout in {layout_name(imp) for imp, _ in DEFAULT_RUN_LAYOUTS[family]}
     values = (family,) if layout is None else (family, layout)
-    return pytest.param(*values, "conversions" if fast else "more_conversions",
-                        marks=() if fast else pytest.mark.slow, id="-".join(values))
+    return pytest.param(*values, fastio, "conversions" if fast else "more_conversions",
+                        marks=() if fast else pytest.mark.slow,
+                        id="-".join([*values, "fastio" if fastio else "standard"]))
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +90,8 @@ def family_checkpoints(tiny_root: Path) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The default run's conversions (DEFAULT_RUN_LAYOUTS, every family's critic chain, the
-    training-load checks on Qwen3-MoE), 2 ranks."""
+    training-load checks on Qwen3-MoE), 2 ranks; then DEFAULT_RUN_FASTIO's round trips on the
+    fast-I/O path."""
     work = tmp_path_factory.mktemp("conversions")
     cases = [
         FamilyCase(name=family, hf_dir=path, work=work / family, layouts=DEFAULT_RUN_LAYOUTS[family],
@@ -80,13 +99,19 @@ def conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.Te
                    critic=family in DEFAULT_RUN_CRITICS, training_load=family == "qwen3_moe")
         for family, path in family_checkpoints.items()
     ]
+    cases += [FamilyCase(name=case_key(family, fastio=True), hf_dir=family_checkpoints[family],
+                         work=work / case_key(family, fastio=True), layouts=DEFAULT_RUN_LAYOUTS[family],
+                         verify_layouts=[], fastio=True)
+              for family in sorted(DEFAULT_RUN_FASTIO)]
     results = run_distributed(run_families, 2, cases, timeout_s=900)[0]
     return {"results": results, "cases": {c.name: c for c in cases}}
 
 
 @pytest.fixture(scope="session")
 def more_conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Slow: every family through the round-trip pairs the default run leaves out, 2 ranks."""
+    """Slow: every family through the round-trip pairs the default run leaves out, 2 ranks; then
+    on the fast-I/O path every family's critic chain and the DEFAULT_RUN_LAYOUTS pairs of the
+    families the default run does not convert that way."""
     work = tmp_path_factory.mktemp("more_conversions")
     cases = [
         FamilyCase(name=family, hf_dir=path, work=work / family, verify_layouts=[],
@@ -94,5 +119,9 @@ def more_conversions(family_checkpoints: dict[str, Path], tmp_path_factory: pyte
                    critic=family not in DEFAULT_RUN_CRITICS)
         for family, path in family_checkpoints.items()
     ]
+    cases += [FamilyCase(name=case_key(family, fastio=True), hf_dir=path, work=work / case_key(family, fastio=True),
+                         layouts=[] if family in DEFAULT_RUN_FASTIO else DEFAULT_RUN_LAYOUTS[family],
+                         verify_layouts=[], critic=True, fastio=True)
+              for family, path in family_checkpoints.items()]
     results = run_distributed(run_families, 2, cases, timeout_s=1800)[0]
     return {"results": results, "cases": {c.name: c for c in cases}}

@@ -47,7 +47,7 @@ def _load_in_background(directory: str, track_all: bool, fail_at_item: int | Non
             raise OSError(f"item {fail_at_item} cannot be read")
         time.sleep(0.3)
 
-    strategy = CountingLoadStrategy(slow_progress, thread_count=1, tracker=tracker)
+    strategy = CountingLoadStrategy(slow_progress, tracker=tracker)  # torch's FileSystemReader: items in order
     fresh = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t) for i, t in enumerate(targets)}
     fresh["obj"] = ShardedObject("obj", None, (1,), (0,))
     started = time.monotonic()

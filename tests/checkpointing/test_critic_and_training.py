@@ -3,7 +3,8 @@
 Critic chain (every family, 2 ranks; Qwen3-MoE in the default run, the other families slow): actor HF
 --(--role critic, TP2)--> critic mcore A --(PP2)--> critic HF A --(EP2)--> critic mcore B --(TP1)-->
 critic HF B. HF A and HF B must be bit-identical (value head included): HF critic -> mcore -> HF
-critic is exact.
+critic is exact. Each chain runs on the standard path (Qwen3-MoE's in the default run) and on the
+fast-I/O path (`--fastio`, slow).
 """
 
 from __future__ import annotations
@@ -13,21 +14,22 @@ import json
 import pytest
 import torch
 
-from megatron_sao.checkpointing import critic_format as cf
+from megatron_sao.models import critic_format as cf
 from tests.checkpointing._helpers import all_tensors, differences, ok
-from tests.checkpointing.conftest import DEFAULT_FAMILIES, conversion_param
+from tests.checkpointing.conftest import DEFAULT_FAMILIES, case_key, conversion_param
 
 
-@pytest.mark.parametrize(("family", "job"), [conversion_param(f) for f in DEFAULT_FAMILIES])
-def test_every_family_critic_round_trips(request, family, job):
+@pytest.mark.parametrize(("family", "fastio", "job"),
+                         [conversion_param(f, fastio=fastio) for fastio in (False, True) for f in DEFAULT_FAMILIES])
+def test_every_family_critic_round_trips(request, family, fastio, job):
     """actor -> critic -> HF critic -> critic -> HF critic is exact, trunk and value head, for every
     family (issue 14: this ran only under `slow` before); values agree with HF within 1e-5. The
     default run checks Qwen3-MoE; the other families' chains are slow (the default suite's time
     budget), next to test_slow_families.py's chains in the other dtype."""
     conversions = request.getfixturevalue(job)
-    results, case = conversions["results"][family], conversions["cases"][family]
+    results, case = conversions["results"][case_key(family, fastio)], conversions["cases"][case_key(family, fastio)]
     for step in ("critic/from_actor", "critic/export_a", "critic/reimport", "critic/export_b"):
-        ok(results[step])
+        assert ok(results[step])["fastio"] == fastio
     assert differences(case.work / "critic_hf_a", case.work / "critic_hf_b") == []
     assert differences(case.hf_dir, case.work / "critic_hf_a",
                        ignore=frozenset({cf.LM_HEAD, cf.VALUE_WEIGHT, cf.VALUE_BIAS})) == []
@@ -82,7 +84,8 @@ def test_critic_values_match_hf_token_classification(conversions):
 
 
 def test_tp2_checkpoint_loads_into_tp1_ep2_pp2_training_with_identical_logits(conversions):
-    """models.build_model (training's builder, unmodified) + mcore_io.load_model, on 2 ranks."""
+    """models.build_model (training's builder, unmodified) + training's `load_model_weights` (what
+    `actor.load` runs: Megatron's standard dist_checkpointing.load), on 2 ranks."""
     result = ok(conversions["results"]["qwen3_moe"]["training"])
     assert result["between_layouts"] <= 1e-6, result
     assert result["vs_hf"] <= 1e-5, result

@@ -75,7 +75,7 @@ def _filled(i: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape) + i
 
 
-def _overlapped_save(directory: str, fail_after: int | None, release_written: bool = False) -> dict[str, Any]:
+def _overlapped_save(directory: str, fail_after: int | None, fastio: bool = False) -> dict[str, Any]:
     """Rank job: four tensors saved while a `fill` fills them one by one."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -108,7 +108,7 @@ def _overlapped_save(directory: str, fail_after: int | None, release_written: bo
     Path(directory).mkdir()
     state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t) for i, t in enumerate(tensors)}
     strategy = BoundedSaveStrategy(thread_count=2, bucket_bytes=2**20, on_bytes=on_bytes, fill=fill, tracker=tracker,
-                                   release_written=release_written)
+                                   fastio=fastio)
     try:
         dist_checkpointing.save(state, directory, sharded_strategy=strategy)
     except ValueError as error:
@@ -124,9 +124,11 @@ def test_the_save_writes_filled_tensors_while_fill_runs_and_the_result_is_exact(
     result = run_distributed(_overlapped_save, 1, str(tmp_path / "ckpt"), None, timeout_s=300)[0]
     assert result["exact"]
     assert result["written_before_fill_ended"] >= 2 * result["tensor_bytes"]
+    # the standard path gives nothing back (tensor 0 holds one zero of its own: arange)
+    assert result["released_bytes"] == 0 and result["zeros_left"] == [1, 0, 0, 0]
 
 
-def test_release_written_gives_each_tensor_back_once_saved_and_the_checkpoint_stays_exact(tmp_path: Path):
+def test_fastio_gives_each_tensor_back_once_saved_and_the_checkpoint_stays_exact(tmp_path: Path):
     result = run_distributed(_overlapped_save, 1, str(tmp_path / "ckpt"), None, True, timeout_s=300)[0]
     assert result["exact"], "the files hold what was filled, though the tensors were released after writing"
     elements = result["tensor_bytes"] // 4

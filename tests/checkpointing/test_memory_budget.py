@@ -2,9 +2,9 @@
 
 A bf16 Qwen3-MoE checkpoint many times larger than the I/O bucket is converted HF -> mcore -> HF,
 each rank measuring its peak resident memory during each conversion against its starting point
-(`checkpointing.rss.measured`: the conversion stack imported first, freed memory handed back, the
+(`tools/rss.py`'s `measured`: the conversion stack imported first, freed memory handed back, the
 peak reset). Each rank's growth must stay within its shard's bytes + the bucket + MARGIN, and the
-round trip must be bit-exact.
+round trip must be bit-exact: on the standard path and on the fast-I/O path (`fastio`) alike.
 
 MARGIN covers what does not grow with the model: the one conversion task in flight (its HF
 tensors and converted result: well under 1 MB here), Python and torch_dist bookkeeping, code pages
@@ -39,18 +39,20 @@ def _checkpoint(root: Path, layers: int) -> Path:
                                     num_hidden_layers=layers, **_SHAPE)
 
 
-def _check_budget(hf: Path, work: Path, nproc: int, bucket: int) -> None:
+def _check_budget(hf: Path, work: Path, nproc: int, bucket: int, fastio: bool) -> None:
     model_bytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
     assert model_bytes > 10 * bucket, "the model must be several times larger than the bucket"
-    results = run_distributed(round_trip_measured, nproc, hf, work, bucket, 30 * 10**6, timeout_s=1200)
+    results = run_distributed(round_trip_measured, nproc, hf, work, bucket, 30 * 10**6, fastio, timeout_s=1200)
     lines, over = [], []
+    path = "fastio" if fastio else "standard"
     for rank, result in enumerate(results):
         for direction in ("hf-to-mcore", "mcore-to-hf"):
             r = result[direction]
             assert r["rss_peak_reset"], "this kernel cannot reset the peak RSS: the measurement would be wrong"
             grown, shard = r["rss_peak"] - r["rss_start"], r["shard_bytes"]
-            line = (f"rank {rank}/{nproc} {direction}: grew {grown / MiB:.0f} MiB = shard {shard / MiB:.0f} MiB + "
-                    f"{(grown - shard) / MiB:.0f} MiB (allowed: bucket {bucket / MiB:.0f} + margin {MARGIN / MiB:.0f})"
+            line = (f"{path} rank {rank}/{nproc} {direction}: grew {grown / MiB:.0f} MiB = "
+                    f"shard {shard / MiB:.0f} MiB + {(grown - shard) / MiB:.0f} MiB "
+                    f"(allowed: bucket {bucket / MiB:.0f} + margin {MARGIN / MiB:.0f})"
                     f"; touched fresh {r['faulted_bytes'] / MiB:.0f} MiB")
             lines.append(line)
             if grown > shard + bucket + MARGIN:
@@ -60,14 +62,17 @@ def _check_budget(hf: Path, work: Path, nproc: int, bucket: int) -> None:
     assert differences(hf, results[0]["out"]) == []
 
 
-def test_memory_within_shard_plus_bucket_one_rank(tmp_path):
-    """Default suite: ~160 MB model, 4 MiB bucket, one rank (its shard is the whole model)."""
-    _check_budget(_checkpoint(tmp_path, layers=6), tmp_path / "work", nproc=1, bucket=4 * MiB)
+@pytest.mark.parametrize("fastio", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["standard", "fastio"])
+def test_memory_within_shard_plus_bucket_one_rank(tmp_path, fastio):
+    """~160 MB model, 4 MiB bucket, one rank (its shard is the whole model); the default suite runs
+    the standard path (the default), the fast-I/O path is slow."""
+    _check_budget(_checkpoint(tmp_path, layers=6), tmp_path / "work", nproc=1, bucket=4 * MiB, fastio=fastio)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fastio", [False, True], ids=["standard", "fastio"])
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_memory_within_shard_plus_bucket(tmp_path, nproc):
+def test_memory_within_shard_plus_bucket(tmp_path, nproc, fastio):
     """~310 MB model, 8 MiB bucket, on 1 rank and on 2 (EP 2: each rank holds half the experts and
     reads only its own experts' HF tensors)."""
-    _check_budget(_checkpoint(tmp_path, layers=12), tmp_path / "work", nproc=nproc, bucket=8 * MiB)
+    _check_budget(_checkpoint(tmp_path, layers=12), tmp_path / "work", nproc=nproc, bucket=8 * MiB, fastio=fastio)

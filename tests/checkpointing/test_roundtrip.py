@@ -5,7 +5,9 @@ layouts and exported back through another layout (conftest.ROUND_TRIP_LAYOUTS), 
 trip also reshards; the default run converts each family through the pairs in
 conftest.DEFAULT_RUN_LAYOUTS, the other pairs are slow. "Bit-identical" is checked on raw bytes of
 every tensor, with names, shapes and dtypes (GLM checkpoints are bf16 with fp32 router biases;
-DeepSeek-V3 carries an extra MTP-layer tensor through).
+DeepSeek-V3 carries an extra MTP-layer tensor through). Round trips run on the standard path and on
+the fast-I/O path (`--fastio`, off by default): Qwen3-MoE's both ways in the default run, every
+other family's fast-I/O round trips slow.
 """
 
 from __future__ import annotations
@@ -17,24 +19,47 @@ import pytest
 from megatron_sao.checkpointing.hf_files import TORCH_TO_ST
 from tests.checkpointing._helpers import all_tensors, differences, ok
 from tests.checkpointing._jobs import layout_name
-from tests.checkpointing.conftest import DEFAULT_FAMILIES, ROUND_TRIP_LAYOUTS, conversion_param
+from tests.checkpointing.conftest import (
+    DEFAULT_FAMILIES,
+    ROUND_TRIP_LAYOUTS,
+    case_key,
+    conversion_param,
+    fastio_layouts,
+)
 
 FAMILIES = list(DEFAULT_FAMILIES)
 LAYOUTS = [layout_name(imp) for imp, _ in ROUND_TRIP_LAYOUTS]
+ROUND_TRIPS = ([conversion_param(f, lay) for f in FAMILIES for lay in LAYOUTS]
+               + [conversion_param(f, lay, fastio=True) for f in FAMILIES for lay in fastio_layouts(f)])
 
 
-@pytest.mark.parametrize(("family", "layout", "job"), [conversion_param(f, lay) for f in FAMILIES for lay in LAYOUTS])
-def test_hf_to_mcore_to_hf_is_bit_identical(request, family, layout, job):
+@pytest.mark.parametrize(("family", "layout", "fastio", "job"), ROUND_TRIPS)
+def test_hf_to_mcore_to_hf_is_bit_identical(request, family, layout, fastio, job):
     conversions = request.getfixturevalue(job)
-    results = conversions["results"][family]
-    case = conversions["cases"][family]
-    ok(results[f"import/{layout}"])
-    ok(results[f"export/{layout}"])
-    assert results[f"export/{layout}"]["load_overlapped"], "the export ran after the load, not beside it"
-    assert results[f"export/{layout}"]["released_bytes"] > 0, "no parameter was given back once exported"
-    export = results[f"export/{layout}"]
-    assert export["checksummed_while_loading"] == export["checksum_files"] > 0, "a file was read twice to be hashed"
+    results = conversions["results"][case_key(family, fastio)]
+    case = conversions["cases"][case_key(family, fastio)]
+    assert ok(results[f"import/{layout}"])["fastio"] == fastio
+    export = ok(results[f"export/{layout}"])
+    assert export["fastio"] == fastio
+    assert export["load_overlapped"], "the export ran after the load, not beside it"
+    assert export["checksum_files"] > 0, "this rank verified none of the checkpoint's files"
+    if fastio:
+        assert export["released_bytes"] > 0, "no parameter was given back once exported"
+        assert export["checksummed_while_loading"] == export["checksum_files"], "a file was read twice to be hashed"
+    else:
+        assert export["released_bytes"] == 0 and export["checksummed_while_loading"] == 0
     assert differences(case.hf_dir, case.work / f"hf_{layout}") == []
+
+
+@pytest.mark.parametrize("job", ["conversions", pytest.param("more_conversions", marks=pytest.mark.slow)])
+def test_the_standard_path_never_imports_fastio(request, job):
+    """Every standard-path case of the job ran before its first fast-I/O case, in the same processes:
+    none of them imported `checkpointing.fastio` (where all O_DIRECT, page release and raw item
+    reads live), so the switch really is off by default; the fast-I/O cases did import it."""
+    results = request.getfixturevalue(job)["results"]
+    standard = {name: r["fastio_loaded"] for name, r in results.items() if not name.endswith("@fastio")}
+    assert standard and not any(standard.values()), standard
+    assert all(r["fastio_loaded"] for name, r in results.items() if name.endswith("@fastio"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

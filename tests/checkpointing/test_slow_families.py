@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sao.checkpointing import critic_format as cf
 from megatron_sao.checkpointing.model_setup import Layout
+from megatron_sao.models import critic_format as cf
 from megatron_sao.platform import run_distributed
 from tests.checkpointing._helpers import differences, ok, tiny_checkpoint
 from tests.checkpointing._jobs import FamilyCase, layout_name, run_families

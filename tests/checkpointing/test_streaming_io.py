@@ -8,31 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from megatron_sao.checkpointing.hf_files import HFCheckpoint, read_safetensors_header
+from megatron_sao.checkpointing.hashing_file import HashingFile
+from megatron_sao.checkpointing.hf_files import HFCheckpoint
 from megatron_sao.checkpointing.manifest import Manifest, checksum_share
-from megatron_sao.checkpointing.writeback import HashingFile
-from tests.checkpointing._helpers import refuse_direct_io
+from tests.checkpointing._helpers import safetensors_reference as _reference
+from tests.checkpointing._helpers import small_hf_checkpoint
 
 KB = 1024
 
 
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> HFCheckpoint:
-    generator = torch.Generator().manual_seed(0)
-    tensors = {f"layer.{i}.w": torch.randn(16, 16, generator=generator).to(torch.bfloat16) for i in range(8)}  # 512 B
-    tensors["big"] = torch.randn(64, 64, generator=generator)  # 16 KB, larger than any bucket below
-    tensors["ids"] = torch.arange(5, dtype=torch.int64)
-    tensors["empty"] = torch.zeros(0, 3)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    return HFCheckpoint(path=tmp_path, config={}, tensors=read_safetensors_header(tmp_path / "model.safetensors"))
-
-
-def _reference(checkpoint: HFCheckpoint) -> dict[str, torch.Tensor]:
-    with safe_open(str(checkpoint.path / "model.safetensors"), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a mapping
+    return small_hf_checkpoint(tmp_path)
 
 
 def _wait_until_idle(source, ready: int | None = None, timeout_s: float = 30.0) -> None:
@@ -49,12 +37,13 @@ def _wait_until_idle(source, ready: int | None = None, timeout_s: float = 30.0) 
         time.sleep(0.01)
 
 
-def test_read_ahead_returns_exact_tensors_within_the_bucket(checkpoint):
+@pytest.mark.parametrize("fastio", [False, True], ids=["standard", "fastio"])
+def test_read_ahead_returns_exact_tensors_within_the_bucket(checkpoint, fastio):
     from megatron_sao.checkpointing.hf_reader import PrefetchingSource
 
     reference = _reference(checkpoint)
     order = [f"layer.{i}.w" for i in range(8)] + ["big", "ids", "empty"]
-    source = PrefetchingSource(checkpoint, bucket_bytes=2 * KB)
+    source = PrefetchingSource(checkpoint, bucket_bytes=2 * KB, fastio=fastio)
     read: list[int] = []
     source.on_bytes = read.append
     try:
@@ -101,7 +90,7 @@ def test_close_stops_a_read_ahead_nobody_consumes(checkpoint):
 
 
 def test_byte_budget_holds_at_most_its_capacity_and_serves_larger_requests_alone():
-    from megatron_sao.checkpointing.dist_writer import ByteBudget
+    from megatron_sao.checkpointing.io_bucket import ByteBudget
 
     budget = ByteBudget(100)
     held, peak, lock = [0], [0], threading.Lock()
@@ -138,7 +127,7 @@ def test_checksum_shares_cover_every_file_once_and_balance_bytes():
 def test_checksum_shares_follow_the_saving_rank_while_even():
     """A rank hashes the files it saved (it reads them in the same pass) up to an even share;
     a checkpoint saved by fewer ranks than load it is still split evenly."""
-    from megatron_sao.checkpointing.distcp_items import saving_rank
+    from megatron_sao.checkpointing.fastio.distcp_items import saving_rank
 
     def manifest(sizes: dict[str, int]) -> Manifest:
         return Manifest(role="actor", architecture="x", params_dtype="bfloat16", source="s", source_format="causal_lm",
@@ -167,64 +156,15 @@ def test_hashing_file_hashes_what_it_writes(tmp_path):
     assert size == len(data) == 3021 and digest == xxhash.xxh3_128(data).hexdigest()
 
 
-@pytest.mark.parametrize("refuse", [False, True])
-def test_tensors_read_past_the_page_cache_or_through_it_are_exact(checkpoint, monkeypatch, refuse):
-    """Direct reads take the whole blocks around each tensor (offsets here are not block-aligned);
-    a filesystem refusing them at read time gets buffered reads for the rest of the file."""
-    import os
-
-    from megatron_sao.checkpointing.direct_io import open_direct
-    from megatron_sao.checkpointing.hf_reader import PrefetchingSource
-
-    probe = open_direct(checkpoint.path / "model.safetensors", os.O_RDONLY)
-    if probe is None:
-        pytest.skip("the filesystem refuses O_DIRECT")
-    os.close(probe)
-    refused = refuse_direct_io(monkeypatch) if refuse else []
-    reference = _reference(checkpoint)
-    source = PrefetchingSource(checkpoint, bucket_bytes=KB)
-    try:
-        got = {name: source.load_tensors([name])[name] for name in reference}
-        direct_fd = source._direct_fds["model.safetensors"]
-    finally:
-        source.close()
-    for name, tensor in reference.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-    assert (direct_fd is None) == refuse
-    assert len(refused) == (1 if refuse else 0)  # refused once, then the page cache for this file
-
-
-@pytest.mark.parametrize("refuse", [False, True])
-def test_a_consumed_tensors_buffer_serves_a_later_read_and_every_tensor_stays_exact(checkpoint, monkeypatch, refuse):
-    """Tensors of one size read one after the other, each dropped after use: later reads reuse the
-    buffers (past the page cache or through it); a tensor still held keeps its bytes."""
-    from megatron_sao.checkpointing.hf_reader import PrefetchingSource
-
-    if refuse:
-        refuse_direct_io(monkeypatch)
-    reference = _reference(checkpoint)
-    source = PrefetchingSource(checkpoint, bucket_bytes=64 * KB)  # buffers are whole pages at least
-    try:
-        kept = source.load_tensors(["layer.0.w"])["layer.0.w"]
-        for i in range(1, 8):
-            name = f"layer.{i}.w"
-            tensor = source.load_tensors([name])[name]
-            assert torch.equal(tensor, reference[name]), name
-            del tensor
-        assert source.buffers.reused >= 5
-        assert torch.equal(kept, reference["layer.0.w"])
-    finally:
-        source.close()
-
-
-def test_a_file_cut_short_after_its_check_is_named_with_the_tensor(checkpoint):
+@pytest.mark.parametrize("fastio", [False, True], ids=["standard", "fastio"])
+def test_a_file_cut_short_after_its_check_is_named_with_the_tensor(checkpoint, fastio):
     from megatron_sao.checkpointing.hf_reader import PrefetchingSource
 
     path = checkpoint.path / "model.safetensors"
     info = checkpoint.tensors["big"]
     with open(path, "r+b") as f:
         f.truncate(info.offset + info.nbytes // 2)
-    source = PrefetchingSource(checkpoint, bucket_bytes=KB)
+    source = PrefetchingSource(checkpoint, bucket_bytes=KB, fastio=fastio)
     try:
         with pytest.raises(ValueError, match=r"model\.safetensors: truncated while reading 'big' \(the file changed"):
             source.load_tensors(["big"])

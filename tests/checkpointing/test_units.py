@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_sao.checkpointing import critic_format as cf
 from megatron_sao.checkpointing.convert_cli import _size, add_convert_parser
 from megatron_sao.checkpointing.families import family_of
 from megatron_sao.checkpointing.hf_files import HFCheckpoint, TensorInfo
 from megatron_sao.checkpointing.hf_load import LoadSpec, _check_tasks
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec, plan_shards
+from megatron_sao.models import critic_format as cf
 
 
 def _checkpoint(**tensors: str) -> HFCheckpoint:
@@ -151,6 +151,26 @@ def test_cli_registers_three_commands_with_help(capsys):
         assert all(flag in text for flag in flags), (command, text)
     args = parser.parse_args(["convert", "hf-to-mcore", "--hf", "a", "--out", "b", "--tp", "2", "--ep", "2"])
     assert callable(args.func) and (args.tp, args.pp, args.ep, args.etp) == (2, 1, 2, None)
+
+
+@pytest.mark.parametrize("flag", [[], ["--fastio"]], ids=["default", "fastio"])
+def test_the_fastio_switch_is_off_by_default_and_reaches_both_conversions(tmp_path, monkeypatch, flag):
+    from megatron_sao.platform import run_collective as collective
+
+    requests = []
+
+    def capture(fn, nproc, request):
+        requests.append(request)
+        return 0, {"value_head": None, "passthrough": [], "summary": "ok"}
+
+    monkeypatch.setattr(collective, "run_collective", capture)
+    parser = argparse.ArgumentParser(prog="sao")
+    add_convert_parser(parser.add_subparsers(dest="command"))
+    for argv in (["hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "m")],
+                 ["mcore-to-hf", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "h")]):
+        args = parser.parse_args(["convert", *argv, *flag])
+        assert args.func(args) == 0
+    assert [r.fastio for r in requests] == [bool(flag)] * 2
 
 
 def test_sizes_parse_like_huggingface():

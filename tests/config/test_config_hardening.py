@@ -42,8 +42,22 @@ def test_a_bad_number_in_the_recipe_file_is_blamed_on_the_file(tmp_path):
 
 
 def test_cross_field_errors_mention_the_command_line_overrides():
-    with pytest.raises(ConfigError, match=r"in .*tiny_cpu\.yaml with command-line overrides of algorithm\.gamma"):
+    with pytest.raises(ConfigError, match=r"tiny_cpu\.yaml with command-line overrides of actor\.num_mini_batches"):
+        load_config(TINY, ["actor.num_mini_batches=999"])
+
+
+def test_single_field_ranges_are_checked_once_in_the_ranges_table():
+    """The range checks validate.py held (parallelism sizes, DIS / PPO clip ranges, gamma, lambdas,
+    critic steps) are in `ranges.RANGES`, blamed on where the value came from."""
+    from megatron_sao.config.ranges import RANGES
+
+    for key in ("parallelism.context", "parallelism.expert_tensor", "algorithm.eps_low", "algorithm.gamma",
+                "algorithm.lambda_policy", "critic.warmup_steps", "critic.updates_per_actor_step"):
+        assert key in RANGES, key
+    with pytest.raises(ConfigError, match=r"algorithm\.gamma must be in \(0, 1\], got 0\.0 \(from command line\)"):
         load_config(TINY, ["algorithm.gamma=0"])
+    with pytest.raises(ConfigError, match=r"algorithm\.eps_low must be in \(0, 1\), got 1\.0"):
+        load_config(TINY, ["algorithm.eps_low=1.0"])
 
 
 def test_every_range_key_exists_and_every_default_passes():

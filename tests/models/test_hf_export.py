@@ -157,7 +157,7 @@ def test_a_critic_checkpoint_is_read_through_a_causal_view(tiny_hf_dir, tmp_path
     import json
     import shutil
 
-    from megatron_sao.checkpointing import critic_format as cf
+    from megatron_sao.models import critic_format as cf
     from megatron_sao.models.hf_export import HFWeightExporter
 
     critic_dir = shutil.copytree(tiny_hf_dir, tmp_path / "critic")

@@ -5,6 +5,7 @@ snapshot every parameter and optimizer-state tensor this rank holds."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,8 @@ def after_kill(hf_dir: str, ckpt: str, snapshot_path: str, work: str) -> dict[st
     loaded["critic_run"] = {"dir": str(load_model_weights(ckpt_dir, "critic", roles["critic"].chunks)),
                             "matches": _same(_params(roles["critic"]), critic_at_step3)}
     result["weights"] = loaded
+    # a conversion (standard path) and every kind of weights load ran in this process by now
+    result["fastio_loaded"] = sorted(m for m in sys.modules if m.startswith("megatron_sao.checkpointing.fastio"))
     empty = work_dir / "not_a_checkpoint"
     if dist.get_rank() == 0:
         empty.mkdir(exist_ok=True)

@@ -13,8 +13,7 @@ def full_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
-    from megatron_sao.checkpointing.mcore_io import model_state
-    from megatron_sao.checkpointing.model_setup import unwrap
+    from megatron_sao.checkpointing.keys import model_state, unwrap
 
     state = model_state([unwrap(chunk) for chunk in chunks])
     apply_factories(state)

@@ -166,6 +166,7 @@ def test_load_model_weights_from_every_accepted_path(killed):
     assert weights["critic_run"]["dir"] == str(root / "ckpt" / "iter_0000003" / "critic")
     for rank_result in killed["after"]:
         assert all(w["matches"] for w in rank_result["weights"].values()), rank_result["weights"]
+        assert rank_result["fastio_loaded"] == [], "the loads (or the standard-path conversion) used fast I/O"
 
 
 def test_load_model_weights_rejects_what_it_cannot_load(killed):

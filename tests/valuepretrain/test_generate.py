@@ -9,6 +9,7 @@ import pytest
 
 from megatron_sao.rollout.datasets import LoadReport
 from megatron_sao.rollout.trajectory import TrajectoryStatus
+from megatron_sao.utils.atomic import temporary_sibling
 from megatron_sao.valuepretrain.check import check_shards
 from megatron_sao.valuepretrain.corpus import is_heldout, read_manifest, write_manifest
 from megatron_sao.valuepretrain.generate import run_generate
@@ -46,7 +47,8 @@ def test_rerun_skips_complete_shards_and_rewrites_the_interrupted_one(generated,
     shutil.copytree(result.corpus_dir, corpus_dir, ignore=shutil.ignore_patterns("engine_logs"))
     manifest = read_manifest(corpus_dir)
     victim = manifest.shards.pop()  # interrupted before the manifest named it ...
-    (corpus_dir / f"{victim.name}.tmp").write_bytes(b"half a shard")  # ... or before the rename
+    temporary_sibling(corpus_dir / victim.name).write_bytes(b"half a shard")  # ... or before the rename
+    (corpus_dir / f"{victim.name}.tmp").write_bytes(b"half a shard")  # (what versions before utils.atomic left)
     write_manifest(corpus_dir, manifest)
     kept = {s.name: s.sha256 for s in manifest.shards}
     rerun = generate_config(tmp_path, corpus_dir, config.model.hf_path, config.data.train_path)

@@ -1,4 +1,4 @@
-"""rss.measured: the figures the benchmark and the memory-budget test read."""
+"""tools/rss.py `measured`: the figures the benchmark and the memory-budget test read."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sao.checkpointing.rss import measured
+from tools.rss import measured
 
 MiB = 2**20
 

@@ -8,7 +8,7 @@ import mmap
 import pytest
 import torch
 
-from megatron_sao.checkpointing.read_buffers import ReadBuffers
+from megatron_sao.checkpointing.fastio.read_buffers import ReadBuffers
 
 PAGE = mmap.PAGESIZE
 

@@ -7,7 +7,7 @@ hf-to-mcore's CPU. O_DIRECT needs the file offset, the length and the memory add
 the device's block, so bytes go through a page-aligned bounce buffer (one memcpy, reused, so no
 fresh pages to fault in):
 - `DirectHashingFile`: a new file written front to back (torch_dist's `.distcp` files), hashed as
-  written, like `writeback.HashingFile`; the last partial block is padded, then truncated away.
+  written, like `hashing_file.HashingFile`; the last partial block is padded, then truncated away.
 - `PositionalWriter`: writes at any offset of an existing file (safetensors tensors at their
   planned places, several processes writing one file): the whole aligned blocks inside a range go
   direct, its unaligned head and tail through the page cache, on a second descriptor. Blocks are
@@ -20,8 +20,8 @@ fresh pages to fault in):
   `.distcp` file of its checksum share once, front to back, hashing it and filling its items).
 
 Where the filesystem refuses O_DIRECT (tmpfs, some FUSE and network filesystems: EINVAL at open or
-at the first read or write), I/O goes through the page cache as before. `SAO_DIRECT_IO=0` turns
-direct I/O off.
+at the first read or write), I/O goes through the page cache as before. All of it runs only behind
+the fast-I/O switch (`--fastio`, docs/conversion.md#fast-io).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 from megatron_sao.checkpointing.digest import DEFAULT as DEFAULT_DIGEST
 from megatron_sao.checkpointing.digest import new_hasher
-from megatron_sao.checkpointing.writeback import HashingFile, start_writeback
+from megatron_sao.checkpointing.fastio.writeback import WritebackHashingFile, start_writeback
 
 ALIGN = max(4096, mmap.PAGESIZE)
 """Block size direct I/O is aligned to: every common logical block size divides it, and no page
@@ -48,13 +48,9 @@ BOUNCE_BYTES = 8 * 2**20
 REFUSED_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP)
 
 
-def direct_io_enabled() -> bool:
-    return hasattr(os, "O_DIRECT") and os.environ.get("SAO_DIRECT_IO", "1") != "0"
-
-
 def open_direct(path: str | Path, flags: int, mode: int = 0o644) -> int | None:
-    """`os.open` with O_DIRECT; None where direct I/O is off or the filesystem refuses it."""
-    if not direct_io_enabled():
+    """`os.open` with O_DIRECT; None where the OS has no O_DIRECT or the filesystem refuses it."""
+    if not hasattr(os, "O_DIRECT"):
         return None
     try:
         return os.open(path, flags | os.O_DIRECT, mode)
@@ -110,8 +106,8 @@ class Bounce:
 
 
 class DirectHashingFile:
-    """`writeback.HashingFile` with O_DIRECT writes through a bounce buffer; use `hashing_file`,
-    which returns a `HashingFile` where the filesystem refuses O_DIRECT."""
+    """`hashing_file.HashingFile` with O_DIRECT writes through a bounce buffer; use `hashing_file`,
+    which returns a `WritebackHashingFile` where the filesystem refuses O_DIRECT."""
 
     def __init__(self, fd: int, digest: str = DEFAULT_DIGEST) -> None:
         self._fd = fd
@@ -184,9 +180,10 @@ class DirectHashingFile:
 
 def hashing_file(path: str | Path, digest: str = DEFAULT_DIGEST) -> Any:
     """A new file at `path` that hashes what is written to it: `DirectHashingFile` where the
-    filesystem takes O_DIRECT, else `writeback.HashingFile`."""
+    filesystem takes O_DIRECT, else `writeback.WritebackHashingFile` (through the page cache, its
+    write-back started item by item)."""
     fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    return HashingFile(path, digest) if fd is None else DirectHashingFile(fd, digest)
+    return WritebackHashingFile(path, digest) if fd is None else DirectHashingFile(fd, digest)
 
 
 class PositionalWriter:
@@ -245,7 +242,7 @@ def pread_whole_blocks(fd: int, offset: int, nbytes: int,
                        allocate: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor | None:
     """Bytes [offset, offset + nbytes) of the O_DIRECT descriptor `fd` as a uint8 tensor (a view
     into a buffer holding the whole blocks around them: `allocate(n)`'s uint8 tensor, e.g.
-    `read_buffers.ReadBuffers.tensor`, or a new one); None where the filesystem refuses the read
+    `fastio.read_buffers.ReadBuffers.tensor`, or a new one); None where the filesystem refuses the read
     (EINVAL) or returns a short one before the end of the file (the caller reads through the page
     cache instead). A file shorter than the range raises ValueError."""
     start, stop = _align_down(offset), _align_up(offset + nbytes)

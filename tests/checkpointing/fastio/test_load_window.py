@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_sao.checkpointing.load_window import LoadWindow
+from megatron_sao.checkpointing.fastio.load_window import LoadWindow
 
 
 def _admit_in_thread(window: LoadWindow, nbytes: int, done: list[int]) -> threading.Thread:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megatron_sao.checkpointing.page_release import releasable_range, release_pages, release_tensor
+from megatron_sao.checkpointing.fastio.page_release import releasable_range, release_pages, release_tensor
 
 PAGE = mmap.PAGESIZE
 

@@ -1,4 +1,4 @@
-"""Raw reads of torch_dist tensor items (checkpointing/distcp_items.py, dist_reader.ParallelFileReader):
+"""Raw reads of torch_dist tensor items (fastio/distcp_items.py, fastio/distcp_reader.ParallelFileReader):
 the bytes found are the tensor's, and only items a raw read can fill are read raw; everything else
 loads through torch.load with the same result."""
 
@@ -12,8 +12,8 @@ import torch
 from torch.distributed import checkpoint
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 
-from megatron_sao.checkpointing.dist_reader import ParallelFileReader
-from megatron_sao.checkpointing.distcp_items import storage_range
+from megatron_sao.checkpointing.fastio.distcp_items import storage_range
+from megatron_sao.checkpointing.fastio.distcp_reader import ParallelFileReader
 
 
 @pytest.mark.parametrize(("tensor", "raw"), [

@@ -1,5 +1,9 @@
 """Resident memory of one conversion on each rank: what the memory budget is checked against.
 
+A measurement harness, not part of the library: `tools/bench_convert.py` and the memory-budget
+test (tests/checkpointing/test_memory_budget.py) use it. Import it as `tools.rss` from the
+repository root (the tests), or as `rss` from a script in tools/ (its directory is on sys.path).
+
 `ru_maxrss` is the process's lifetime peak (imports, earlier work); Linux lets a process reset its
 high-water mark (`/proc/self/clear_refs` <- 5), so `measured` resets it, runs the conversion and
 reads VmHWM: the peak during the conversion alone, next to the resident memory it started from.
@@ -54,7 +58,7 @@ def warm_up(config_dir: Path) -> None:
     """Import what a conversion of the checkpoint whose config.json is in `config_dir` imports."""
     import megatron.core.dist_checkpointing  # noqa: F401
 
-    from megatron_sao.checkpointing import dist_writer, hf_reader  # noqa: F401
+    from megatron_sao.checkpointing import dist_reader, dist_writer, hf_reader  # noqa: F401
     from megatron_sao.checkpointing.hf_files import expected_hf_tensors
     from megatron_sao.models import build_model  # noqa: F401
     from megatron_sao.models.bridge_compat import import_auto_bridge
@@ -69,7 +73,7 @@ def measured(fn: Callable[..., dict], *args: Any, warm_dir: Path | None = None) 
     shared host, wall time says little; CPU time per byte says what the conversion costs), of it
     `kernel_cpu_seconds`, and `faulted_bytes`: memory first touched during the call (minor page
     faults x page size; every such page is zeroed by the kernel, the largest kernel cost measured
-    on the CI VM, docs/conversion.md#limits)."""
+    on the CI VM, docs/conversion.md#fast-io)."""
     import gc
     import resource
 

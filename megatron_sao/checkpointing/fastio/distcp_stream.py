@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_sao.checkpointing.digest import new_hasher
-from megatron_sao.checkpointing.direct_io import ALIGN, BOUNCE_BYTES, REFUSED_ERRNOS, Bounce, open_direct
+from megatron_sao.checkpointing.fastio.direct_io import ALIGN, BOUNCE_BYTES, REFUSED_ERRNOS, Bounce, open_direct
 
 STREAM_CHUNK_BYTES = 2 * BOUNCE_BYTES
 

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_sao.checkpointing import direct_io
-from megatron_sao.checkpointing.direct_io import (
+from megatron_sao.checkpointing.fastio import direct_io
+from megatron_sao.checkpointing.fastio.direct_io import (
     ALIGN,
     DirectHashingFile,
     PositionalWriter,
     hashing_file,
     open_direct,
 )
-from megatron_sao.checkpointing.writeback import HashingFile
+from megatron_sao.checkpointing.hashing_file import HashingFile
 from tests.checkpointing._helpers import refuse_direct_io
 
 
@@ -54,12 +54,15 @@ def test_direct_file_writes_the_same_bytes_and_digest_as_the_page_cache_file(dir
     assert (direct_dir / "direct").read_bytes() == (direct_dir / "plain").read_bytes()
 
 
-def test_direct_writes_can_be_turned_off(tmp_path, monkeypatch):
-    monkeypatch.setenv("SAO_DIRECT_IO", "0")
+def test_a_filesystem_refusing_direct_opens_gets_a_page_cache_file(tmp_path, monkeypatch):
+    from megatron_sao.checkpointing.fastio.writeback import WritebackHashingFile
+
+    monkeypatch.setattr(direct_io, "open_direct", lambda *args, **kwargs: None)
     stream = hashing_file(tmp_path / "f")
-    assert isinstance(stream, HashingFile)
+    assert isinstance(stream, WritebackHashingFile)
     stream.write(b"abc")
-    assert stream.finish()[0] == 3
+    stream.kick()
+    assert stream.finish()[0] == 3 and (tmp_path / "f").read_bytes() == b"abc"
 
 
 def test_a_filesystem_refusing_direct_writes_gets_buffered_ones_and_loses_nothing(direct_dir, small_bounce,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_sao.checkpointing.digest import digest_file
-from megatron_sao.checkpointing.direct_io import ALIGN
-from megatron_sao.checkpointing.distcp_stream import StreamItem, stream_file
+from megatron_sao.checkpointing.fastio.direct_io import ALIGN
+from megatron_sao.checkpointing.fastio.distcp_stream import StreamItem, stream_file
 from tests.checkpointing._helpers import refuse_direct_io
 
 
@@ -33,13 +33,15 @@ def _items(spans: list[tuple[int, int]], dtype: torch.dtype, log: list[str]) -> 
 @pytest.mark.parametrize("how", ["direct", "refused", "buffered"])
 def test_one_pass_fills_every_item_and_hashes_the_whole_file(tmp_path, monkeypatch, how):
     """Items at unaligned offsets, spanning several chunks, touching the file's first and last
-    bytes, listed out of order; a filesystem refusing direct reads (or direct I/O off) gets the
-    same bytes through the page cache."""
+    bytes, listed out of order; a filesystem refusing direct reads (at open or at read time) gets
+    the same bytes through the page cache."""
     size = 5 * 2 * ALIGN + 123  # five chunks of 2 blocks and a partial one
     path, data = _file(tmp_path, size)
     refused = refuse_direct_io(monkeypatch) if how == "refused" else []
-    if how == "buffered":
-        monkeypatch.setenv("SAO_DIRECT_IO", "0")
+    if how == "buffered":  # a filesystem refusing O_DIRECT at open
+        from megatron_sao.checkpointing.fastio import distcp_stream
+
+        monkeypatch.setattr(distcp_stream, "open_direct", lambda *args, **kwargs: None)
     log: list[str] = []
     spans = [(3 * ALIGN + 10, 2 * ALIGN), (0, 6), (7, 4 * ALIGN + 2), (size - 12, 12), (2 * ALIGN, 0)]
     items = _items(spans, torch.bfloat16, log)
@@ -73,7 +75,7 @@ def test_an_empty_file_hashes_like_one(tmp_path):
 def test_buffers_are_no_bigger_than_a_small_file(tmp_path, monkeypatch):
     """A file smaller than the chunk (metadata, tokenizer) gets buffers of its own size, rounded up
     to the block, and still the same bytes."""
-    from megatron_sao.checkpointing import distcp_stream
+    from megatron_sao.checkpointing.fastio import distcp_stream
 
     sizes: list[int] = []
     real = distcp_stream.Bounce
