@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,13 @@ TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
 SCALE = str(REPO / "recipes" / "qwen3_30b_a3b_math_sao.yaml")
 PARENT_BOUND_S = 10.0
 """Checks in the parent: well under one tiny model build with its ranks (~15-30 s on the 2-core VM)."""
+
+
+@pytest.fixture(autouse=True)
+def _logs_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands' default log files (`sao-<command>-*.log` in the temp directory) go to tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
 
 
 @pytest.fixture
@@ -64,13 +72,13 @@ def sao(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str], 
 def sao_process(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """`sao ARGV` as a user runs it: its own process, stdout and stderr as the terminal shows them."""
     return subprocess.run([sys.executable, "-m", "megatron_sao.cli", *argv], capture_output=True, text=True,
-                          cwd=tmp_path)
+                          cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
 
 
 def _train(tmp_path: Path, hf_dir: Path, trajectories: Path | str, *more: str) -> list[str]:
     return ["train", TINY, f"run.output_dir={tmp_path / 'runs'}", f"model.hf_path={hf_dir}",
             f"data.trajectories_path={trajectories}", "logging.wandb_mode=disabled", "run.total_steps=1",
-            "data.batch_size=4", *more, "--log-file", str(tmp_path / "sao.log")]
+            "data.batch_size=4", *more]
 
 
 # ---- 1: recorded trajectories ---------------------------------------------------------------------
@@ -171,7 +179,7 @@ def _pretrain(tmp_path: Path, hf_dir: Path, corpus: Path, *more: str) -> list[st
     return ["value-pretrain", "train", TINY, f"run.output_dir={tmp_path / 'runs'}", "run.name=vp",
             f"model.hf_path={hf_dir}", f"value_pretrain.corpus_dir={corpus}",
             "logging.wandb_mode=disabled", "run.total_steps=1", "data.batch_size=4", "launcher.nproc_per_node=1",
-            "parallelism.expert=1", *more, "--log-file", str(tmp_path / "sao.log")]
+            "parallelism.expert=1", *more]
 
 
 @pytest.mark.parametrize("manifest, message", [
@@ -448,12 +456,10 @@ def test_item8_numbers_are_checked_and_options_are_never_abbreviated(capfd, argv
 
 def test_item8_third_party_output_before_a_one_line_error_goes_to_the_log(tmp_path):
     """Importing Megatron prints a dozen warnings; before the command's error they go to its log."""
-    log = tmp_path / "vp.log"
-    proc = subprocess.run([sys.executable, "-m", "megatron_sao.cli", "value-pretrain", "train", TINY,
-                           f"run.output_dir={tmp_path}", "--log-file", str(log)], capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = sao_process(tmp_path, "value-pretrain", "train", TINY, f"run.output_dir={tmp_path}")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"sao value-pretrain: error: value_pretrain.corpus_dir: "
                                                 f"{tmp_path / 'tiny_cpu' / 'corpus'} holds no corpus (manifest.json); "
                                                 "write one with `sao value-pretrain generate` first"]
+    [log] = tmp_path.glob("sao-value-pretrain-*.log")  # the default log, in the temp directory
     assert "Warning" in log.read_text()

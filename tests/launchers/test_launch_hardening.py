@@ -43,6 +43,12 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
             "model.load_weights=false"]
 
 
+@pytest.fixture(autouse=True)
+def _logs_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands' default log files (`sao-<command>-*.log` in the temp directory) go to tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _imported() -> None:
     """Every `sao` process imports torch and Megatron (5-10 s on the 2-core VM) before it checks a
@@ -64,9 +70,9 @@ def _launch(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[st
 @pytest.mark.parametrize("nodes", ["1", "3", "5"])
 def test_item4_a_layout_sao_plan_refuses_is_refused_with_the_same_line(tmp_path, inputs, capfd, nodes):
     code, err, elapsed = _launch(capfd, "slurm", SCALE, f"run.output_dir={tmp_path}", *inputs, "--nodes", nodes,
-                                 "--dry-run", "--log-file", str(tmp_path / "log"))
+                                 "--dry-run")
     assert code == 2 and len(err) == 1 and elapsed < BOUND_S
-    assert main(["plan", SCALE, *inputs, f"launcher.nnodes={nodes}", "--log-file", str(tmp_path / "log")]) == 2
+    assert main(["plan", SCALE, *inputs, f"launcher.nnodes={nodes}"]) == 2
     plan_line = capfd.readouterr().err.strip().splitlines()[-1]
     assert err[0] == plan_line.replace("sao plan:", "sao launch:", 1)
     assert "32 trainer GPUs" in err[0] and not (tmp_path / "qwen3_30b_a3b_math_sao").exists()  # nothing written
@@ -95,7 +101,7 @@ def test_item4_a_layout_sao_plan_refuses_is_refused_with_the_same_line(tmp_path,
 def test_item4_command_ports_time_and_paths_are_checked_before_the_script_is_written(
         tmp_path, inputs, capfd, flags, overrides, message):
     code, err, elapsed = _launch(capfd, "slurm", TINY, f"run.output_dir={tmp_path}", *inputs, *overrides,
-                                 "--dry-run", *flags, "--log-file", str(tmp_path / "log"))
+                                 "--dry-run", *flags)
     assert code == 2 and len(err) == 1 and elapsed < BOUND_S
     assert re.match(r"sao launch: (config )?error: ", err[0]) and re.search(message, err[0]), err[0]
     assert not list(tmp_path.glob("*/launch/*"))
@@ -106,11 +112,10 @@ def test_item5_an_unwritable_run_directory_is_named_by_sao_launch(tmp_path, inpu
     blocker = tmp_path / "file"
     blocker.write_text("x")
     code, err, _ = _launch(capfd, "slurm", TINY, f"run.output_dir={blocker}", *inputs, "--command", "sft",
-                           "--dry-run", "--log-file", str(tmp_path / "log"))
+                           "--dry-run")
     assert code == 2 and err == [f"sao launch: error: run directory (run.output_dir/run.name) {blocker / 'tiny_cpu'}: "
                                  f"a file is in the way, not a directory ({blocker} is one)"]
-    code, err, _ = _launch(capfd, "local", TINY, f"run.output_dir={blocker}", *inputs, "--log-file",
-                           str(tmp_path / "log"))
+    code, err, _ = _launch(capfd, "local", TINY, f"run.output_dir={blocker}", *inputs)
     assert code == 2 and err[0].startswith("sao launch: error: run directory")
 
 
