@@ -117,8 +117,6 @@ def test_item1_a_recorded_file_without_rows_or_columns_fails_in_the_parent(
     assert elapsed < PARENT_BOUND_S
 
 
-@pytest.mark.slow  # ~40 s: two ranks build the tiny actor and critic before reading the file
-@pytest.mark.timeout(600)
 def test_item1_a_wrong_schema_is_one_line_on_the_terminal_within_seconds(tmp_path, tiny_hf_dir):
     path = tmp_path / "other.parquet"
     _wrong_schema(path)
@@ -135,6 +133,8 @@ def test_item1_a_wrong_schema_is_one_line_on_the_terminal_within_seconds(tmp_pat
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # ~40 s: two ranks build the tiny actor and critic before reading the file
+@pytest.mark.timeout(600)
 def test_item1_item2_out_of_vocabulary_rows_are_skipped_named_and_all_of_them_is_one_user_error(
         tmp_path, tiny_hf_dir, capfd):
     """Every row holds ids the embedding has no row for: each rank skips and names them, then the
