@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import yaml
 
+from megatron_sao.utils.args import SaoArgumentParser
+
 OVERRIDES_HELP = ("dotted overrides of recipe values, e.g. actor.optim.lr=2e-6 parallelism.tensor=2 "
                   "critic.frozen=[attention,router]; see `sao config describe`")
 
@@ -24,6 +26,8 @@ OVERRIDES_HELP = ("dotted overrides of recipe values, e.g. actor.optim.lr=2e-6 p
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML file (see recipes/)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    parser.add_argument("--log-file", help="where third-party output of the checks before the run goes (default: a "
+                                           "new file in the temp directory); -v keeps it on the terminal")
 
 
 def _load(args: argparse.Namespace):
@@ -90,7 +94,7 @@ DRY_RUN_HELP = ("check the recipe without training: config, layout against the m
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SaoArgumentParser(
         prog="sao",
         description="megatron-sao: SAO (Single-rollout Asynchronous Optimization) actor-critic RL "
                     "for MoE LLMs on Megatron-Core.",
@@ -113,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpoint, then exit 143.")
     _add_recipe_args(train)
     train.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
-    train.set_defaults(func=_cmd_train)
+    train.set_defaults(func=_cmd_train, quiet_log="until_started")
 
     sft = sub.add_parser(
         "sft", help="supervised fine-tuning of the actor on recorded trajectories",
@@ -123,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "actor.load=RUN_DIR/checkpoints.")
     _add_recipe_args(sft)
     sft.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
-    sft.set_defaults(func=_cmd_sft)
+    sft.set_defaults(func=_cmd_sft, quiet_log="until_started")
 
     config = sub.add_parser("config", help="show a resolved recipe or describe config keys",
                             description="Inspect configuration.")

@@ -8,7 +8,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Tests compare forwards computed in different buffers bit for bit (verify: the streamed HF forward
 # against the whole model's). On AVX-512 hosts MKL's float GEMMs give other last bits at another
 # memory alignment unless its strict reproducibility mode is on (seen on the 2-core CI VM kind,

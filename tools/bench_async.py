@@ -261,7 +261,8 @@ def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--steps", type=int, default=8, help="actor steps per mode")
     parser.add_argument("--batch", type=int, default=16, help="trajectories per step (every mode)")

@@ -240,7 +240,8 @@ def _report(direction: str, layout_text: str, nproc: int, model_bytes: int, boun
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0, help="model size (default 2.0)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",

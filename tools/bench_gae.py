@@ -166,7 +166,7 @@ def run(device: torch.device, args: argparse.Namespace) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=128, help="trajectories (paper: 128)")
     parser.add_argument("--tokens", type=int, default=131072, help="tokens per trajectory (paper: 131,072)")
     parser.add_argument("--turns", type=int, default=50, help="action spans per trajectory (paper: <= 50)")

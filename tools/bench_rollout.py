@@ -86,7 +86,8 @@ def compare_routing(plain_url: str, routed_url: str, model: str, args: argparse.
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: build the tiny Qwen3-MoE)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])

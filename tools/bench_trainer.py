@@ -86,7 +86,7 @@ def bench_rank(hf_dir: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--min-len", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=512)

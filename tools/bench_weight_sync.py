@@ -104,7 +104,7 @@ def bench_worker(hf_dir: str, overrides: list[str], modes: list[str], bucket_mb:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)

@@ -77,7 +77,8 @@ def write(out: Path, trajectories: list[Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="HuggingFace checkpoint directory (tokenizer and log-prob model)")
     source.add_argument("--recipe", help="a recipe whose model.hf_path is the checkpoint (built if build_tiny)")

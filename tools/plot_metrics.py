@@ -50,7 +50,8 @@ def plot(metrics_path: Path, keys: list[str], out: Path, title: str | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="a run directory or its metrics.jsonl")
     parser.add_argument("--keys", nargs="+", default=list(DEFAULT_KEYS), help=f"default: {' '.join(DEFAULT_KEYS)}")
     parser.add_argument("--out", type=Path, help="PNG to write (default: metrics.png beside metrics.jsonl)")

@@ -413,7 +413,8 @@ def replay(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from-bench", default=None, help="JSON written by tools/bench_async.py --json: replay it")
     p.add_argument("--replay-engine", default=None,
                    help="with --from-bench: every mode uses this mode's engine fit (e.g. sync_grpo: the engine "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron_sao.checkpointing.families import FAMILIES
 from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
+from megatron_sao.utils.args import SaoArgumentParser, float_in, int_at_least
 from megatron_sao.utils.console import console_out, log_path_for, run_command
 
 _LAYOUT_HELP = """
@@ -43,14 +44,14 @@ def _size(text: str) -> int:
 
 def _add_layout(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallel layout", _LAYOUT_HELP)
-    group.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    group.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
-    group.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
-    group.add_argument("--vpp", type=int, default=None,
+    group.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size (default 1)")
+    group.add_argument("--pp", type=int_at_least(1), default=1, help="pipeline-parallel size (default 1)")
+    group.add_argument("--ep", type=int_at_least(1), default=1, help="expert-parallel size (default 1)")
+    group.add_argument("--etp", type=int_at_least(1), default=None, help="expert tensor-parallel size (default: --tp)")
+    group.add_argument("--vpp", type=int_at_least(1), default=None,
                        help="virtual pipeline stages per pipeline rank (needs --pp > 1; default none)")
-    group.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
-    group.add_argument("--nproc", type=int, default=1,
+    group.add_argument("--cp", type=int_at_least(1), default=1, help="context-parallel size (default 1)")
+    group.add_argument("--nproc", type=int_at_least(1), default=1,
                        help="spawn this many local processes (ignored under torchrun/srun; default 1)")
 
 
@@ -112,6 +113,7 @@ def _run_hf_to_mcore(args: argparse.Namespace) -> int:
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
     from megatron_sao.platform.run_collective import run_collective
 
+    check_checkpoint_kinds(args.hf, None)
     notes = _leftovers(args)
 
     request = HfToMcoreRequest(hf_dir=Path(args.hf), out_dir=Path(args.out), layout=_layout(args), role=args.role,
@@ -135,6 +137,7 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf
     from megatron_sao.platform.run_collective import run_collective
 
+    check_checkpoint_kinds(None, args.mcore)
     notes = _leftovers(args)
 
     request = McoreToHfRequest(
@@ -148,9 +151,31 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_checkpoint_kinds(hf: str | None, mcore: str | None) -> None:
+    """`--hf` names a HuggingFace directory and `--mcore` a Megatron one (a conversion output, with
+    its manifest): ValueError naming the flag that points at the other kind, or both when swapped."""
+    from megatron_sao.checkpointing.manifest import MANIFEST_FILE
+
+    hf_is_mcore = hf is not None and (Path(hf) / MANIFEST_FILE).is_file()
+    mcore_is_hf = (mcore is not None and (Path(mcore) / "config.json").is_file()
+                   and not (Path(mcore) / MANIFEST_FILE).is_file())
+    if hf_is_mcore and mcore_is_hf:
+        raise ValueError(f"--hf and --mcore are swapped: --hf {hf} is a Megatron checkpoint ({MANIFEST_FILE}) and "
+                         f"--mcore {mcore} a HuggingFace one (config.json); use --hf {mcore} --mcore {hf}")
+    if hf_is_mcore:
+        raise ValueError(f"--hf {hf} is a Megatron checkpoint (it holds {MANIFEST_FILE}), not a HuggingFace directory")
+    if mcore_is_hf:
+        raise ValueError(f"--mcore {mcore} is a HuggingFace checkpoint (config.json, no {MANIFEST_FILE}), not a "
+                         "`sao convert hf-to-mcore` output")
+
+
 def _run_verify(args: argparse.Namespace) -> int:
+    from megatron_sao.checkpointing.hf_to_mcore import check_hf_source
     from megatron_sao.checkpointing.verify import DEFAULT_PROMPT, VerifyRequest, verify
     from megatron_sao.platform.run_collective import run_collective
+
+    check_checkpoint_kinds(args.hf, args.mcore)
+    check_hf_source(Path(args.hf))  # config.json against the weights, as hf-to-mcore checks it
 
     request = VerifyRequest(hf_dir=Path(args.hf), mcore_dir=Path(args.mcore), layout=_layout(args),
                             prompt=args.prompt or DEFAULT_PROMPT, verify_checksums=args.verify_checksums)
@@ -183,13 +208,14 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     h2m.add_argument("--role", choices=("actor", "critic"), default=None,
                      help="actor (LM head) or critic (value head); default: critic for a critic checkpoint, else actor")
     h2m.add_argument("--seed", type=int, default=1234, help="seed of an initialised value head (default 1234)")
-    h2m.add_argument("--value-head-init-std", type=float, default=0.02,
+    h2m.add_argument("--value-head-init-std", type=float_in(0.0), default=0.02,
                      help="std of an initialised value head (default 0.02)")
-    h2m.add_argument("--io-bucket-mb", type=float, default=DEFAULT_IO_BUCKET_BYTES / 2**20, metavar="MB",
+    h2m.add_argument("--io-bucket-mb", type=float_in(0.0, low_open=True), metavar="MB",
+                     default=DEFAULT_IO_BUCKET_BYTES / 2**20,
                      help="per rank, at most this many MiB of HF tensors read ahead and of tensors staged for the "
                           "torch_dist writer: peak memory is about the rank's shard plus this "
                           f"(default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
-    h2m.add_argument("--io-threads", type=int, default=2,
+    h2m.add_argument("--io-threads", type=int_at_least(1), default=2,
                      help="torch_dist writer threads per rank, each writing and hashing one file (default 2)")
     _add_fastio_flag(h2m)
     _add_output_flags(h2m)
@@ -212,7 +238,8 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                      help="export floating tensors in this dtype (default: the source's, per tensor)")
     m2h.add_argument("--max-shard-size", type=_size, default=_size("5GB"), metavar="SIZE",
                      help="largest safetensors shard (default 5GB)")
-    m2h.add_argument("--io-bucket-mb", type=float, default=DEFAULT_IO_BUCKET_BYTES / 2**20, metavar="MB",
+    m2h.add_argument("--io-bucket-mb", type=float_in(0.0, low_open=True), metavar="MB",
+                     default=DEFAULT_IO_BUCKET_BYTES / 2**20,
                      help="with --fastio: per rank, at most this many MiB loaded ahead of the export (which gives "
                           "each parameter's memory back once written) "
                           f"(default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
@@ -230,7 +257,7 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     ver.add_argument("--hf", required=True, metavar="DIR", help="HuggingFace checkpoint directory")
     ver.add_argument("--mcore", required=True, metavar="DIR", help="mcore checkpoint directory")
     ver.add_argument("--prompt", default=None, help="text to run (default: a fixed chat exchange)")
-    ver.add_argument("--tolerance", type=float, default=1e-4, help="max-abs difference accepted (default 1e-4)")
+    ver.add_argument("--tolerance", type=float_in(0.0), default=1e-4, help="max-abs difference accepted (default 1e-4)")
     _add_checksum_flag(ver)
     _add_log_flag(ver)
     _add_layout(ver)
@@ -240,7 +267,7 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone `sao`-like entry (for tools/convert_*.py), with `sao`'s exit codes."""
-    parser = argparse.ArgumentParser(prog="sao")
+    parser = SaoArgumentParser(prog="sao")
     parser.add_argument("-v", "--verbose", action="store_true", help="third-party output on the terminal")
     add_convert_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

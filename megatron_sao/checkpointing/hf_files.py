@@ -114,10 +114,21 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: no such directory")
     if not config_file.is_file():
         raise ValueError(f"{path}: no config.json (not a HuggingFace checkpoint directory)")
+    return read_json_object(config_file)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; ValueError naming the file when it is not UTF-8, not JSON, or JSON
+    of another kind (a list, a number)."""
     try:
-        return json.loads(config_file.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from e
     except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from e
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
 
 
 def inspect_hf_checkpoint(path: str | Path) -> HFCheckpoint:
@@ -127,7 +138,11 @@ def inspect_hf_checkpoint(path: str | Path) -> HFCheckpoint:
     checkpoint = HFCheckpoint(path=path, config=config)
     index_file = path / INDEX_FILE
     if index_file.is_file():
-        weight_map: dict[str, str] = json.loads(index_file.read_text()).get("weight_map", {})
+        weight_map = read_json_object(index_file).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            got = "missing" if weight_map is None else f"a {type(weight_map).__name__}"
+            raise ValueError(f"{index_file}: field weight_map is {got}, expected an object mapping tensor names to "
+                             "file names")
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             by_file.setdefault(file, []).append(name)

@@ -110,19 +110,17 @@ def _params_dtype(checkpoint: HFCheckpoint) -> torch.dtype:
     return dtype
 
 
-def plan_hf_to_mcore(request: HfToMcoreRequest) -> HfToMcorePlan:
-    """Everything checkable without a model; raises ValueError naming the problem."""
-    source = Path(request.hf_dir)
+def check_hf_source(source: Path) -> tuple[HFCheckpoint, Family, bool, list[str]]:
+    """An HF checkpoint as conversion and verification read it: of a supported family, every tensor
+    config.json implies there with that shape (a config that disagrees with the weights is named
+    with the tensor), nothing unexplained beside them. Returns (checkpoint, family, whether it is a
+    critic, the tensors carried through unchanged); ValueError naming the problem."""
     checkpoint = inspect_hf_checkpoint(source)
     family = family_of(checkpoint.config, str(source))
     source_is_critic = cf.is_critic_config(checkpoint.config)
     if checkpoint.architecture.endswith("ForTokenClassification") and not source_is_critic:
         raise ValueError(f"{source}: a token-classification checkpoint with "
                          f"{len(checkpoint.config.get('id2label', {}))} labels is not a critic (one label)")
-    role = request.role or ("critic" if source_is_critic else "actor")
-    if role == "actor" and source_is_critic:
-        raise ValueError(f"{source} is a critic checkpoint (value head, no LM head): convert it with --role critic")
-    check_output_dir(Path(request.out_dir), request.overwrite, sources=(source,))
     with tempfile.TemporaryDirectory() as config_dir:
         (Path(config_dir) / "config.json").write_text(json.dumps(cf.causal_config(checkpoint.config)))
         expected = expected_hf_tensors(config_dir)
@@ -132,6 +130,17 @@ def plan_hf_to_mcore(request: HfToMcoreRequest) -> HfToMcorePlan:
         if cf.VALUE_BIAS not in checkpoint.tensors:
             shapes.pop(cf.VALUE_BIAS)
     passthrough = check_weights_match_config(checkpoint, shapes, expected)
+    return checkpoint, family, source_is_critic, passthrough
+
+
+def plan_hf_to_mcore(request: HfToMcoreRequest) -> HfToMcorePlan:
+    """Everything checkable without a model; raises ValueError naming the problem."""
+    source = Path(request.hf_dir)
+    checkpoint, family, source_is_critic, passthrough = check_hf_source(source)
+    role = request.role or ("critic" if source_is_critic else "actor")
+    if role == "actor" and source_is_critic:
+        raise ValueError(f"{source} is a critic checkpoint (value head, no LM head): convert it with --role critic")
+    check_output_dir(Path(request.out_dir), request.overwrite, sources=(source,))
     if source_is_critic:
         _check_value_bias(checkpoint)
     params_dtype = _params_dtype(checkpoint)

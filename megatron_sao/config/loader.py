@@ -158,6 +158,23 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key repeated in one mapping: PyYAML keeps the last silently,
+    so a second `actor:` section would drop the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in first:
+                raise ConfigError(f"line {line}: duplicate key {key!r} (first at line {first[key]}): merge the two "
+                                  "into one")
+            if isinstance(key, str | int | float | bool):
+                first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_recipe(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
@@ -170,9 +187,11 @@ def _read_recipe(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = (
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the recipe as UTF-8") from e
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"{path} {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)

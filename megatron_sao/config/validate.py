@@ -145,6 +145,9 @@ def validate_against_model(config: SaoConfig, arch: dict[str, Any], source: str 
         ("num_layers", p.pipeline * (p.virtual_pipeline or 1), "parallelism.pipeline x virtual_pipeline"),
         ("moe_ffn_hidden_size", etp, "parallelism.expert_tensor"),
     ]
+    if p.expert > 1 and not arch.get("num_experts"):
+        raise ConfigError(f"parallelism.expert = {p.expert} but the model has no experts (a dense model, in "
+                          f"{source}): expert parallelism splits MoE experts; set parallelism.expert=1")
     for field, divisor, key in checks:
         value = arch.get(field)
         if value is not None and value % divisor != 0:

@@ -68,6 +68,10 @@ def _convert(hf_dir: Path, out: Path) -> Path:
     command = [sys.executable, "-m", "megatron_sao.cli", "convert", "hf-to-mcore", "--hf", str(hf_dir),
                "--out", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode == 2:  # a user error: its own line (`sao convert: error: ...`)
+        lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        raise ValueError(lines[-1].split(": error: ", 1)[-1] if lines else f"sao convert hf-to-mcore --hf {hf_dir} "
+                         "refused its input")
     if proc.returncode != 0:
         raise RuntimeError(f"sao convert hf-to-mcore failed ({proc.returncode}): "
                            f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
@@ -191,6 +195,7 @@ class Prepared:
 def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     """Stages 1-3 of the demo (model, conversion, SFT, value pretraining), each skipped when its
     output exists: `sao demo` and `sao online` start RL from here."""
+    from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint
     from megatron_sao.jobs.train import run_train
     from megatron_sao.jobs.value_pretrain import run_pretrain
     from megatron_sao.models.build import prepare_hf_checkpoint
@@ -200,6 +205,7 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     base = Path(config.run.output_dir) / config.run.name
     base.mkdir(parents=True, exist_ok=True)
     hf_dir = prepare_hf_checkpoint(config.model, seed=seed)
+    inspect_hf_checkpoint(hf_dir)  # the weights stage 1 converts are there (not a config-only directory)
     _say(f"[1/5] model {hf_dir}")
     mcore = _convert(hf_dir, base / "mcore")
     train_prompts, heldout = _prompt_files(base, plan, seed)

@@ -1,14 +1,21 @@
 """`sao launch slurm|local RECIPE [overrides] [flags]`: run a recipe's driver on a cluster.
 
-slurm: fills launchers/slurm/sao_job.sbatch.in for the recipe, writes it into the run directory
-(`sbatch script: PATH`), checks it (`bash -n`, container paths), submits it with sbatch unless
-`--dry-run`, and with `--wait` follows the job and exits with its exit code. The job forms a Ray
-cluster over its nodes, runs the driver (`sao train` on the resolved config with
-`checkpoint.resume=auto`, its ranks as srun tasks on every node; or another `sao` sub-command via
-`--command`) and propagates its exit code; see the template for signals, requeue and node failure.
-`--engine-partition` makes it a heterogeneous job with the rollout engines on another partition.
+slurm: checks everything it can before writing anything (`check_launch`: the layout against the
+nodes and GPUs, as `sao plan` does; `--command` against the sub-commands; `--port-range`,
+`--time`; the data, model and checkpoint paths the command needs, on the shared file system; that
+the run directory can be written), fills launchers/slurm/sao_job.sbatch.in for the recipe, writes
+it with the resolved config into a directory of its own under `<run dir>/launch/`
+(`submit-<time>-<id>/`, or `dry-run/` with `--dry-run`: no submitted job reads that one; a job
+pending or running for the same run directory keeps reading its own), prints
+`sbatch script: PATH`, checks it (`bash -n`, container paths), submits it with sbatch unless
+`--dry-run`, and with `--wait` follows the job and exits with its exit code. The job forms a
+Ray cluster over its nodes, runs the driver (`sao train` on the resolved config with
+`checkpoint.resume=auto`, its ranks as srun tasks on every node; or another `sao` sub-command
+via `--command`) and propagates its exit code; see the template for signals, requeue and node
+failure. `--engine-partition` makes it a heterogeneous job with the rollout engines on another
+partition.
 
-local: the same flow on this machine without Slurm (launchers/local/run.sh).
+local: the same checks and flow on this machine without Slurm (launchers/local/run.sh).
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ import shlex
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+
+from megatron_sao.utils.args import SaoArgumentParser, int_at_least, slurm_time
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "launchers" / "slurm" / "sao_job.sbatch.in"
@@ -32,13 +42,90 @@ _FLAG_FIELDS = {"nodes": "launcher.nnodes", "gpus_per_node": "launcher.nproc_per
                 "port_range": "launcher.port_range", "join_timeout": "launcher.join_timeout_s"}
 TRAINER_COMMANDS = {"train", "sft"}
 """Driver commands whose ranks run as srun tasks on every node (jobs/train_multinode.py)."""
+RECIPE_COMMANDS = ("train", "sft", "value-pretrain train", "value-pretrain generate", "config show")
+"""`--command`s the driver runs on the resolved recipe (`sao <command> CONFIG checkpoint.resume=auto`);
+`convert ...` is the other kind, run as given."""
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
     """The recipe overrides plus the flags mapped onto launcher.* fields (a flag wins over the recipe)."""
-    mapped = [f"{key}={getattr(args, flag)}" for flag, key in _FLAG_FIELDS.items() if getattr(args, flag) is not None]
-    mapped += ["launcher.requeue=true"] if args.requeue else []
+    mapped = [f"{key}={getattr(args, flag)}" for flag, key in _FLAG_FIELDS.items()
+              if getattr(args, flag, None) is not None]
+    mapped += ["launcher.requeue=true"] if getattr(args, "requeue", False) else []
     return [*args.overrides, *mapped]
+
+
+class _ParseError(ValueError):
+    pass
+
+
+class _RaisingParser(SaoArgumentParser):
+    """The `sao` parsers, raising instead of exiting: to check a `--command` before submitting it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _ParseError(message)
+
+
+def check_driver_command(command: str) -> list[str]:
+    """The words of `--command`, when the job can run them: a recipe command (`RECIPE_COMMANDS`) or
+    a `convert` command that `sao convert`'s own parser accepts. ValueError naming the choices."""
+    from megatron_sao.checkpointing.convert_cli import add_convert_parser
+
+    words = shlex.split(command)
+    if not words:
+        raise ValueError("--command is empty: name a sao sub-command, e.g. train")
+    if words[0] == "convert":
+        parser = _RaisingParser(prog="sao")
+        add_convert_parser(parser.add_subparsers(dest="command", required=True))
+        try:
+            parser.parse_args(words)
+        except _ParseError as e:
+            raise ValueError(f"--command {command!r}: {e}") from None
+        return words
+    if " ".join(words) not in RECIPE_COMMANDS:
+        raise ValueError(f"--command {command!r}: not a sub-command the job can run; one of "
+                         f"{', '.join(repr(c) for c in RECIPE_COMMANDS)}, or 'convert hf-to-mcore|mcore-to-hf|verify "
+                         "...' (its own flags)")
+    return words
+
+
+def check_launch(config, command: list[str], recipe: str) -> None:
+    """Before anything is written: what the job would otherwise find after queueing. The layout
+    against the nodes and GPUs (`sao plan`'s checks), the launcher's port range and time limit, the
+    files the command reads (as paths on the shared file system) and the run directory. ValueError
+    / ConfigError naming the key, flag or path."""
+    from megatron_sao.jobs import preflight
+    from megatron_sao.jobs.plan import check_recipe_layout
+    from megatron_sao.platform.slurm import job_port_block, parse_port_range
+    from megatron_sao.utils.args import check_slurm_time
+
+    launcher = config.launcher
+    try:
+        job_port_block(0, parse_port_range(launcher.port_range))
+    except ValueError as e:
+        raise ValueError(f"launcher.port_range (--port-range): {e}") from None
+    try:
+        check_slurm_time(launcher.time_limit)
+    except ValueError as e:
+        raise ValueError(f"launcher.time_limit (--time): {e}") from None
+    name = " ".join(command)
+    if command[0] != "convert" and name != "config show":
+        check_recipe_layout(config, source=recipe)
+    if name in ("train", "sft"):
+        preflight.check_train_job(config, "sft" if name == "sft" else "rl")
+    elif name == "value-pretrain train":
+        preflight.check_value_pretrain_job(config)
+    elif name == "value-pretrain generate":
+        from megatron_sao.valuepretrain.settings import check_value_pretrain_config
+
+        check_value_pretrain_config(config, for_training=False)
+        preflight.check_model_files(config)
+        if not Path(config.data.train_path).is_file():
+            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (value-pretrain "
+                             "generate rolls out its prompts)")
+        preflight.check_outputs(config)
+    else:
+        preflight.check_outputs(config)
 
 
 def driver_command(command: str, python: str, config_path: Path, nodes: int, tasks_per_node: int) -> list[str]:
@@ -120,7 +207,7 @@ def render_script(config, args: argparse.Namespace, run_dir: Path, config_path: 
         srun_extra = [f"--container-image={launcher.container_image}", "--container-mounts=" + ",".join(spec),
                       f"--container-workdir={REPO}"]
         python = "python"
-    driver = driver_command(args.command, python, config_path, launcher.nnodes - engine_nodes,
+    driver = driver_command(args.driver_command, python, config_path, launcher.nnodes - engine_nodes,
                             launcher.nproc_per_node)
     if launcher.container_image:  # the batch shell runs on the host: the driver needs its own step
         driver = ["srun", *srun_extra, "--overlap", "--nodes=1", "--ntasks=1", "-w", "$HEAD", *driver]
@@ -143,23 +230,57 @@ def render_script(config, args: argparse.Namespace, run_dir: Path, config_path: 
     return text
 
 
-def write_job(args: argparse.Namespace) -> tuple[Path, object]:
-    """Load the recipe, write config + script into the run directory; return (script, config)."""
-    from megatron_sao.config import dump_config, load_config
+def resolve_launch(args: argparse.Namespace, kind: str) -> tuple[object, Path, list[str]]:
+    """(resolved config, run directory, driver command words) once `check_launch` passed."""
+    from megatron_sao.config import load_config
 
-    config = load_config(args.recipe, [*_overrides(args), "launcher.kind=slurm"])
+    command = check_driver_command(args.driver_command)
+    config = load_config(args.recipe, [*_overrides(args), f"launcher.kind={kind}"])
     config.run.output_dir = str(Path(config.run.output_dir).resolve())  # the job runs from the repository
     run_dir = Path(config.run.output_dir) / config.run.name
+    check_launch(config, command, args.recipe)
+    from megatron_sao.jobs.preflight import check_writable_dir
+
+    check_writable_dir(run_dir / "launch", "run directory (run.output_dir/run.name)")
+    return config, run_dir, command
+
+
+def submission_dir(run_dir: Path, dry_run: bool) -> Path:
+    """Where one launch writes its config and script: `<run dir>/launch/dry-run/` (replaced by the next
+    dry run; no job reads it), else a new `<run dir>/launch/submit-<time>-<id>/` that only the job
+    submitted from it reads, at its start and after every requeue."""
     launch_dir = run_dir / "launch"
-    launch_dir.mkdir(parents=True, exist_ok=True)
-    config_path = dump_config(config, launch_dir / "config.yaml")
-    script = launch_dir / "sao_job.sbatch"
-    script.write_text(render_script(config, args, run_dir, config_path))
-    script.chmod(0o755)
-    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-    if check.returncode:
-        raise ValueError(f"generated script {script} does not parse: {check.stderr.strip()}")
-    return script, config
+    if dry_run:
+        return launch_dir / "dry-run"
+    return launch_dir / f"submit-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def write_job(args: argparse.Namespace) -> tuple[Path, object, Path]:
+    """Check the launch (`resolve_launch`), then write config + script into their own directory
+    (`submission_dir`); return (script, config, run directory). A script that fails its checks
+    leaves no new directory behind."""
+    import shutil
+
+    from megatron_sao.config import dump_config
+
+    config, run_dir, _ = resolve_launch(args, "slurm")
+    out_dir = submission_dir(run_dir, args.dry_run)
+    if args.dry_run:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    try:
+        config_path = dump_config(config, out_dir / "config.yaml")
+        text = render_script(config, args, run_dir, config_path)
+        check = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+        if check.returncode:
+            raise AssertionError(f"generated script does not parse: {check.stderr.strip()}")
+        script = out_dir / "sao_job.sbatch"
+        script.write_text(text)
+        script.chmod(0o755)
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    return script, config, run_dir
 
 
 def job_state(job_id: str) -> tuple[str, int]:
@@ -190,40 +311,32 @@ def wait_for_job(job_id: str, run_dir: Path, poll_s: float = 3.0) -> int:
 
 
 def _cmd_slurm(args: argparse.Namespace) -> int:
-    script, _ = write_job(args)
+    from megatron_sao.utils.console import console_err, show_output
+
+    script, _, run_dir = write_job(args)
+    show_output()
     print(f"sbatch script: {script}", flush=True)
     if args.dry_run:
         return 0
     out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if out.returncode:
-        print(f"sao launch: sbatch failed: {out.stderr.strip()}", file=sys.stderr)
+        print(f"sao launch: sbatch failed: {out.stderr.strip()}", file=console_err(), flush=True)
         return 1
     job_id = out.stdout.strip().split(";")[0]
+    (script.parent / "job_id").write_text(job_id + "\n")
     print(f"submitted job {job_id}", flush=True)
-    return wait_for_job(job_id, script.parent.parent) if args.wait else 0
+    return wait_for_job(job_id, run_dir) if args.wait else 0
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    from megatron_sao.config import dump_config, load_config
+    from megatron_sao.config import dump_config
+    from megatron_sao.utils.console import show_output
 
-    config = load_config(args.recipe, [*args.overrides, "launcher.kind=local"])
-    config.run.output_dir = str(Path(config.run.output_dir).resolve())  # the driver runs from the repository
-    run_dir = Path(config.run.output_dir) / config.run.name
+    config, run_dir, command = resolve_launch(args, "local")
     config_path = dump_config(config, run_dir / "launch" / "config.yaml")
-    cmd = ["bash", str(LOCAL_SCRIPT), str(config_path), sys.executable, args.command, str(args.cpus_per_node)]
+    show_output()
+    cmd = ["bash", str(LOCAL_SCRIPT), str(config_path), sys.executable, " ".join(command), str(args.cpus_per_node)]
     return subprocess.run(cmd, cwd=REPO).returncode
-
-
-def _user_errors(run):
-    def wrapped(args: argparse.Namespace) -> int:
-        from megatron_sao.config import ConfigError
-
-        try:
-            return run(args)
-        except (ConfigError, ValueError) as e:
-            print(f"sao launch: {'config error: ' if isinstance(e, ConfigError) else ''}{e}", file=sys.stderr)
-            return 2
-    return wrapped
 
 
 def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -232,32 +345,45 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = launch.add_subparsers(dest="launch_kind", required=True, metavar="WHERE")
     for kind in ("slurm", "local"):
-        p = sub.add_parser(kind, help=f"launch on {'a Slurm allocation' if kind == 'slurm' else 'this machine'}")
+        p = sub.add_parser(kind, help=f"launch on {'a Slurm allocation' if kind == 'slurm' else 'this machine'}",
+                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("recipe", help="recipe YAML file")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
-        p.add_argument("--command", default="train", help="sao sub-command the driver runs (default: train)")
-        p.add_argument("--cpus-per-node", type=int, default=1, help="CPUs each Ray node offers (default 1)")
+        p.add_argument("--command", dest="driver_command", default="train",
+                       help=f"sao sub-command the driver runs on the resolved recipe: one of "
+                            f"{', '.join(RECIPE_COMMANDS)}" + (", or 'convert ...' with its own flags (one srun "
+                                                               "task per rank)" if kind == "slurm" else "")
+                            + " (default: train)")
+        p.add_argument("--cpus-per-node", type=int_at_least(1), default=1, help="CPUs each Ray node offers (default 1)")
+        p.add_argument("--log-file", help="where third-party output of the checks goes (default: a new file in the "
+                                          "temp directory); -v keeps it on the terminal")
+        p.set_defaults(quiet_log="until_started")
         if kind == "local":
-            p.set_defaults(func=_user_errors(_cmd_local))
+            p.set_defaults(func=_cmd_local)
             continue
-        p.add_argument("--nodes", type=int, help="nodes (launcher.nnodes)")
-        p.add_argument("--gpus-per-node", type=int, help="GPUs per node (launcher.nproc_per_node)")
+        p.add_argument("--nodes", type=int_at_least(1), help="nodes (launcher.nnodes)")
+        p.add_argument("--gpus-per-node", type=int_at_least(0), help="GPUs per node (launcher.nproc_per_node)")
         p.add_argument("--partition", help="launcher.partition")
         p.add_argument("--account", help="launcher.account")
-        p.add_argument("--time", help="launcher.time_limit, e.g. 24:00:00")
+        p.add_argument("--time", type=slurm_time, help="launcher.time_limit: minutes, HH:MM:SS or D-HH:MM:SS, e.g. "
+                                                        "24:00:00")
         p.add_argument("--container", help="container image (pyxis/enroot; launcher.container_image)")
         p.add_argument("--requeue", action="store_true", help="requeue after a time-limit checkpoint and resume "
                                                                "(launcher.requeue=true)")
         p.add_argument("--engine-partition", help="heterogeneous job: rollout engines on nodes of this partition")
-        p.add_argument("--engine-nodes", type=int, help="engine nodes of a heterogeneous job (default: the planner's "
-                                                         "count for disaggregated SGLang engines)")
-        p.add_argument("--dry-run", action="store_true", help="write and check the script, do not submit")
+        p.add_argument("--engine-nodes", type=int_at_least(1), help="engine nodes of a heterogeneous job (default: "
+                                                                     "the planner's count for disaggregated SGLang "
+                                                                     "engines)")
+        p.add_argument("--dry-run", action="store_true", help="check, and write the script and config into "
+                                                               "<run dir>/launch/dry-run/ (no job reads them); do "
+                                                               "not submit")
         p.add_argument("--wait", action="store_true", help="wait for the job; exit with its exit code")
         p.add_argument("--interface", help="network interface to advertise (launcher.network_interface; "
                                             "default: by hostname)")
         p.add_argument("--allow-loopback", action="store_true", help="allow a 127.x address (single-host tests)")
-        p.add_argument("--port-range", help="ports the job takes a block of (launcher.port_range)")
-        p.add_argument("--join-timeout", type=int, help="seconds to wait for every node to join Ray "
-                                                         "(launcher.join_timeout_s)")
-        p.set_defaults(func=_user_errors(_cmd_slurm))
+        p.add_argument("--port-range", help="ports the job takes a block of 16 from, LOW-HIGH within 1024-65535 "
+                                            "(launcher.port_range)")
+        p.add_argument("--join-timeout", type=int_at_least(1), help="seconds to wait for every node to join Ray "
+                                                                     "(launcher.join_timeout_s)")
+        p.set_defaults(func=_cmd_slurm)
     return launch

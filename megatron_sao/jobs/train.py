@@ -85,6 +85,10 @@ def check_trajectory_source(config: SaoConfig, mode: str) -> None:
         raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
     elif not Path(config.data.trajectories_path).is_file():
         raise ValueError(f"data.trajectories_path={config.data.trajectories_path!r}: no such file")
+    else:
+        from megatron_sao.rollout.recorded import check_trajectory_file
+
+        check_trajectory_file(config.data.trajectories_path)  # empty, no rows, wrong schema: here, not on ranks
 
 
 def prepare_resume(config: SaoConfig, run_dir: Path) -> tuple[Path | None, int | None]:
@@ -190,13 +194,15 @@ class _RecordedSource:
     def __init__(self, config: SaoConfig, mode: str = "rl") -> None:
         import torch.distributed as dist
 
+        from megatron_sao.models.build import model_vocab_size
         from megatron_sao.rollout.recorded import RecordedTrajectories
         from megatron_sao.rollout.settings import model_routing_spec, routing_replay_enabled
 
         replay = mode == "rl" and routing_replay_enabled(config)
         self.data = RecordedTrajectories(config.data.trajectories_path, config.data.batch_size,
                                          routing=model_routing_spec(config) if replay else None,
-                                         with_routing=replay and dist.get_rank() == 0)
+                                         with_routing=replay and dist.get_rank() == 0,
+                                         vocab_size=model_vocab_size(config))
 
     def describe(self) -> str:
         return f"{len(self.data)} trajectories from {self.data.path} ({self.data.report.summary()})"
@@ -237,16 +243,18 @@ def _forward_to_children(signum: int, frame: Any) -> None:
 
 def drive(config: SaoConfig, run_dir: Path,
           launch: Callable[[str | None], dict[str, Any]]) -> tuple[int, dict[str, Any], Path]:
-    """What every launch path does around its ranks: resolve the checkpoint to resume from (a run
-    already complete returns at once), check the layout against the model (which also builds a tiny
-    checkpoint once, before ranks race for it), then `launch(resume_from)` -> rank 0's result.
+    """What every launch path does around its ranks: check the layout against the model (which also
+    builds a tiny checkpoint once, before ranks race for it), resolve the checkpoint to resume from
+    (a run already complete returns at once), then `launch(resume_from)` -> rank 0's result.
     Returns (exit code, result, run directory)."""
     from megatron_sao.models.build import check_layout_fits_model
+    from megatron_sao.utils.console import show_output
 
+    check_layout_fits_model(config)
+    show_output()  # the checks are done: what follows (and the ranks' progress) is shown live
     resume_from, complete = prepare_resume(config, run_dir)
     if complete is not None:
         return 0, {"step": complete, "stopped": False, "metrics": {}}, run_dir
-    check_layout_fits_model(config)
     result = launch(str(resume_from) if resume_from else None)
     return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
 
@@ -266,10 +274,11 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
     """Run the job on `launcher.nproc_per_node` local processes (or Ray actors, or srun tasks).
     Returns (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
+    from megatron_sao.jobs.preflight import check_train_job
     from megatron_sao.platform import run_distributed
     from megatron_sao.utils.run_logging import run_dir_of
 
-    check_trajectory_source(config, mode)
+    check_train_job(config, mode)
     if config.launcher.ray:
         return _run_train_ray(config, mode)
     if config.launcher.kind == "slurm":  # inside a Slurm job: the ranks are srun tasks on every node

@@ -24,17 +24,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.utils.args import SaoArgumentParser
 
 
 def run_train_srun(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int, dict[str, Any], Path]:
     """`run_train` for a Slurm allocation (launcher.kind=slurm, any launcher.nnodes). Returns
     (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
-    from megatron_sao.jobs.train import check_trajectory_source, drive, train_rank
+    from megatron_sao.jobs.preflight import check_train_job
+    from megatron_sao.jobs.train import drive, train_rank
     from megatron_sao.platform.srun import run_srun
     from megatron_sao.utils.run_logging import run_dir_of
 
-    check_trajectory_source(config, mode)
+    check_train_job(config, mode)
     run_dir = run_dir_of(config).resolve()
     world = trainer_world_size(config)
 
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes as `sao train` (docs/exit-codes.md)."""
     from megatron_sao.utils.console import run_command
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_sao.jobs.train_multinode",
+    parser = SaoArgumentParser(prog="python -m megatron_sao.jobs.train_multinode",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("job", choices=("train", "sft"))
     parser.add_argument("recipe")

@@ -33,23 +33,25 @@ def run_pretrain(config: SaoConfig) -> tuple[int, dict[str, Any], Path]:
     inside a Slurm job, on srun tasks over the allocation's nodes. Returns (exit code, rank 0's
     result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
+    from megatron_sao.jobs.preflight import check_value_pretrain_job
     from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, prepare_resume
     from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.platform import run_distributed
+    from megatron_sao.utils.console import show_output
     from megatron_sao.utils.run_logging import run_dir_of
-    from megatron_sao.valuepretrain.settings import check_value_pretrain_config
     from megatron_sao.valuepretrain.train_loop import pretrain_rank
 
-    check_value_pretrain_config(config, for_training=True)
+    check_value_pretrain_job(config)
     on_slurm = config.launcher.kind == "slurm"
     if not on_slurm and config.launcher.nnodes != 1:
         raise ValueError(f"launcher.nnodes={config.launcher.nnodes} with launcher.kind=local: several nodes need "
                          "launcher.kind=slurm (run through `sao launch slurm --command \"value-pretrain train\"`)")
     run_dir = run_dir_of(config).resolve() if on_slurm else run_dir_of(config)
+    check_layout_fits_model(config)
+    show_output()  # the checks are done: what follows (and the ranks' progress) is shown live
     resume_from, complete = prepare_resume(config, run_dir)
     if complete is not None:
         return 0, {"step": complete, "stopped": False, "metrics": {}, "heldout": None}, run_dir
-    check_layout_fits_model(config)
     print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
     resume = str(resume_from) if resume_from else None
     if on_slurm:  # inside a Slurm job: the ranks are the tasks of one srun step, on every node
@@ -75,10 +77,15 @@ def _load(args: argparse.Namespace) -> SaoConfig:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from megatron_sao.jobs.preflight import check_outputs
     from megatron_sao.jobs.train import STOPPED_BY_SIGNAL
+    from megatron_sao.utils.console import show_output
     from megatron_sao.valuepretrain.generate import run_generate
 
-    result = run_generate(_load(args))
+    config = _load(args)
+    check_outputs(config)
+    show_output()
+    result = run_generate(config)
     totals = result.manifest.totals()
     train, heldout = totals["train"], totals["heldout"]
     how = "stopped by a signal; rerun to continue" if result.stopped else "complete"
@@ -119,11 +126,11 @@ def add_value_pretrain_parser(subparsers: Any) -> None:
                                               "the prompts and write shards + manifest. Complete shards are skipped "
                                               "on a rerun; SIGTERM/SIGINT: stop after the complete shards, exit 143.")
     _add_recipe_args(generate)
-    generate.set_defaults(func=_cmd_generate)
+    generate.set_defaults(func=_cmd_generate, quiet_log="until_started")
     train = actions.add_parser("train", help="train the critic on the corpus",
                                description="Critic only, run.total_steps steps of data.batch_size trajectories; "
                                            "writes config.yaml, metrics.jsonl, calibration.json/.png, "
                                            "data_report.json and checkpoints/ into run.output_dir/run.name; resumes "
                                            "from the latest checkpoint there. SIGTERM/SIGINT: checkpoint, exit 143.")
     _add_recipe_args(train)
-    train.set_defaults(func=_cmd_train)
+    train.set_defaults(func=_cmd_train, quiet_log="until_started")

@@ -103,6 +103,19 @@ def model_architecture(config: SaoConfig) -> dict[str, int]:
     return arch
 
 
+def model_vocab_size(config: SaoConfig) -> int:
+    """Rows of the model's token embedding (`vocab_size` of its config.json, or of the tiny model it
+    builds): a token id must be below it. The checkpoint is built first when it is a tiny one."""
+    from megatron_sao.checkpointing.hf_files import read_config
+
+    hf_path = prepare_hf_checkpoint(config.model, seed=config.run.seed)
+    hf_config = read_config(hf_path)
+    value = {**hf_config, **(hf_config.get("text_config") or {})}.get("vocab_size")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{hf_path / 'config.json'}: field vocab_size is {value!r}, expected a positive integer")
+    return value
+
+
 def check_layout_fits_model(config: SaoConfig, source: str = "config") -> None:
     """Reject a parallel layout the model cannot be split into (heads / TP, experts / EP, layers / PP)
     before any process starts."""

@@ -17,7 +17,6 @@ them (shared experts, embedding and LM head included, as the model cards count).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import warnings
@@ -147,14 +146,37 @@ class ModelCensus:
         return attn + mlp
 
 
+REQUIRED_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+"""config.json fields every count needs (positive integers; a multimodal config may hold them in
+`text_config`), besides `model_type`."""
+
+
+def check_required_fields(hf: dict[str, Any], where: str) -> None:
+    """ValueError naming `where` (the config.json) and the field that is missing or not a positive integer."""
+    text = {**hf, **(hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {})}
+    if not isinstance(text.get("model_type"), str):
+        raise ValueError(f"{where}: field model_type is {_described(text.get('model_type'))}, expected a string "
+                         "such as qwen3_moe")
+    for name in REQUIRED_FIELDS:
+        value = text.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: field {name} is {_described(value)}, expected a positive integer")
+
+
+def _described(value: Any) -> str:
+    return "missing" if value is None else repr(value)
+
+
 def load_hf_config(model: Any) -> dict[str, Any]:
     """The HF config dict of `model` (a ModelConfig): its `config.json`, or the tiny config it
     would build, with the recipe's architecture overrides applied."""
+    from megatron_sao.checkpointing.hf_files import read_config
     from megatron_sao.models.build import ARCH_OVERRIDES, arch_overrides
 
     path = Path(model.hf_path) if model.hf_path else None
     if path is not None and (path / "config.json").is_file():
-        hf = json.loads((path / "config.json").read_text())
+        hf = read_config(path)
+        check_required_fields(hf, str(path / "config.json"))
     elif model.build_tiny and path is not None:
         from megatron_sao.utils.tiny_hf import tiny_hf_config
 
@@ -162,7 +184,7 @@ def load_hf_config(model: Any) -> dict[str, Any]:
     else:
         raise ValueError(f"model.hf_path={model.hf_path!r}: no config.json there; `sao plan` needs at least "
                          "the model's config.json (no weights)")
-    hf = {**hf, **hf.get("text_config", {})}
+    hf = {**hf, **(hf.get("text_config") or {})}
     for key, value in arch_overrides(model).items():
         hf_key = ARCH_OVERRIDES[key][0]
         if key == "num_experts":  # families spell it differently

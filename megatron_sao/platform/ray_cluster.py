@@ -8,16 +8,33 @@ from the job's block, see platform/slurm.py).
 
 `python -m megatron_sao.platform.ray_cluster wait --address IP:PORT --nodes N ...` is the
 barrier the job script runs.
+
+Authentication. Ray 2.60 decides per process whether to use token authentication, and the
+deciding differs between its entry points (ray/_private/authentication/authentication_token_setup.py,
+ray/scripts/scripts.py, ray/_private/worker.py): `ray start --head` turns it on when
+`~/.ray/auth_token` exists, `ray start --address` and `ray.init(address=IP:PORT)` never do, and
+a local `ray.init()` always does (writing `~/.ray/auth_token` if missing). So once that file
+exists (the first local `ray.init()` creates it) the head demands a token its workers and the
+join barrier do not send: `InvalidAuthToken`, after minutes of retries. The job scripts
+therefore set the mode explicitly for every Ray process of a cluster, with a token of that
+cluster's own (`cluster_auth_env`: `RAY_AUTH_MODE=token`, `RAY_AUTH_TOKEN`, which Ray's token
+loader reads before any file), exported to every node through srun; `connect_ray` does the same
+for a local instance. The cluster then starts and joins the same way whatever
+`~/.ray/auth_token` holds, and a join that still fails says whether the cluster refused the
+token or could not be reached (`join_failure`).
 """
 
 from __future__ import annotations
 
-import argparse
+import os
+import secrets
+import socket
 import sys
 import time
 from dataclasses import dataclass
 
 from megatron_sao.platform.slurm import PortBlock
+from megatron_sao.utils.args import SaoArgumentParser, float_in, int_at_least
 
 # Offsets in the job's port block (the rest: torch.distributed master, engines, see jobs/launch.py).
 GCS = 0
@@ -67,6 +84,69 @@ class JoinTimeout(RuntimeError):
     """Not every expected node joined in time."""
 
 
+class JoinRefused(RuntimeError):
+    """The cluster refused this client's authentication token: retrying cannot help."""
+
+
+AUTH_MODE = "RAY_AUTH_MODE"
+AUTH_TOKEN = "RAY_AUTH_TOKEN"
+"""Ray 2.60's variables: the authentication mode (`disabled` / `token`), and a token that wins
+over `RAY_AUTH_TOKEN_PATH` and `~/.ray/auth_token` (ray/_private/authentication_test_utils.py
+lists all three; the C++ loader reads them in that order)."""
+
+
+def cluster_auth_env() -> dict[str, str]:
+    """Token authentication with a fresh token (Ray's own format: 32 random bytes, hex) for one
+    cluster; every process of the cluster (`ray start` on each node, the clients) gets both."""
+    return {AUTH_MODE: "token", AUTH_TOKEN: secrets.token_hex(32)}
+
+
+def use_explicit_auth() -> None:
+    """Before this process starts a local Ray instance: unless the environment already says how
+    to authenticate, token mode with a token of its own, so that neither the mode nor the token
+    depends on `~/.ray/auth_token` (nor does the instance write one). Ray caches the mode and
+    the token per process: both caches are refreshed, as Ray's own `_enable_token_auth` does."""
+    if AUTH_MODE in os.environ:
+        return
+    os.environ.update(cluster_auth_env())
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _reachable(address: str, timeout_s: float = 3.0) -> str | None:
+    """None when something accepts TCP connections at `address` (HOST:PORT), else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as e:
+        return str(e) or type(e).__name__
+
+
+def join_failure(address: str, error: BaseException) -> tuple[bool, str]:
+    """(refused for authentication, why) for a failed `ray.init(address=...)`: the cluster refused
+    the token (Ray's error chain names `InvalidAuthToken` / `AuthenticationError`), nothing answers
+    at the address, or the GCS answered but the connection failed otherwise."""
+    chain, cause = [], error
+    while cause is not None and len(chain) < 8:
+        chain.append(f"{type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or cause.__context__
+    text = " | ".join(chain)
+    mode = os.environ.get(AUTH_MODE, "unset")
+    if "InvalidAuthToken" in text or "AuthenticationError" in text or "Unauthenticated" in text:
+        return True, (f"authentication failed: the Ray cluster at {address} refused this client's token "
+                      f"({AUTH_MODE}={mode}, {AUTH_TOKEN} {'set' if os.environ.get(AUTH_TOKEN) else 'not set'}); "
+                      f"every process of a cluster needs the same {AUTH_MODE} and token (the job scripts export "
+                      "both; see platform/ray_cluster.py)")
+    unreachable = _reachable(address)
+    if unreachable is not None:
+        return False, f"unreachable: nothing answers at {address} ({unreachable}); the head is not up (yet) or the " \
+                      "address / port is wrong"
+    return False, f"could not connect to {address}: {chain[-1][:300] if chain else error}"
+
+
 def check_nodes(nodes: list[dict], expected: int, cpus_per_node: int, gpus_per_node: int,
                 engine_nodes: int = 0) -> str | None:
     """None when `nodes` (ray.nodes()) has `expected` alive nodes with the resources asked for
@@ -97,27 +177,37 @@ def wait_for_nodes(address: str, expected: int, cpus_per_node: int, gpus_per_nod
     while time.monotonic() < deadline:
         try:
             if not ray.is_initialized():
+                # ray.init retries an address where nothing listens for minutes, past any deadline
+                if (unreachable := _reachable(address)) is not None:
+                    problem = (f"unreachable: nothing answers at {address} ({unreachable}); the head is not up (yet) "
+                               "or the address / port is wrong")
+                    time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+                    continue
                 ray.init(address=address, log_to_driver=False, logging_level="ERROR")
             nodes = ray.nodes()
             problem = check_nodes(nodes, expected, cpus_per_node, gpus_per_node, engine_nodes)
             if problem is None:
                 return nodes
-        except ConnectionError as e:
-            problem = f"could not connect to {address}: {e}"
+        except (ConnectionError, RuntimeError) as e:
+            refused, problem = join_failure(address, e)
+            if refused:
+                raise JoinRefused(problem) from None
         time.sleep(poll_s)
     raise JoinTimeout(f"Ray cluster at {address} incomplete after {timeout_s:.0f} s: {problem}")
 
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_sao.platform.ray_cluster")
+    parser = SaoArgumentParser(prog="python -m megatron_sao.platform.ray_cluster")
     sub = parser.add_subparsers(dest="cmd", required=True)
     wait = sub.add_parser("wait", help="join barrier: wait for N nodes with the expected resources")
     wait.add_argument("--address", required=True)
-    wait.add_argument("--nodes", type=int, required=True)
-    wait.add_argument("--cpus-per-node", type=int, default=1)
-    wait.add_argument("--gpus-per-node", type=int, default=0)
-    wait.add_argument("--timeout", type=float, default=300.0)
-    wait.add_argument("--engine-nodes", type=int, default=0, help=f"nodes that must offer {ENGINE_RESOURCE}")
+    wait.add_argument("--nodes", type=int_at_least(1), required=True)
+    wait.add_argument("--cpus-per-node", type=int_at_least(0), default=1)
+    wait.add_argument("--gpus-per-node", type=int_at_least(0), default=0)
+    wait.add_argument("--timeout", type=float_in(0.0, low_open=True), default=300.0)
+    wait.add_argument("--engine-nodes", type=int_at_least(0), default=0,
+                      help=f"nodes that must offer {ENGINE_RESOURCE}")
+    sub.add_parser("token", help="print a fresh cluster token (RAY_AUTH_TOKEN for every process of one cluster)")
     start = sub.add_parser("start", help="exec `ray start` (head or worker) in the foreground")
     start.add_argument("--head-address", default="", help="IP:PORT of the head; empty: start the head")
     start.add_argument("--ip", required=True)
@@ -128,9 +218,14 @@ def _main(argv: list[str] | None = None) -> int:
     start.add_argument("--temp-dir", required=True)
     start.add_argument("--engine-node", action="store_true", help=f"offer the {ENGINE_RESOURCE} resource")
     args = parser.parse_args(argv)
+    if args.cmd == "token":
+        print(cluster_auth_env()[AUTH_TOKEN])
+        return 0
     if args.cmd == "start":
-        import os
-
+        if AUTH_MODE not in os.environ:  # Ray would decide from ~/.ray/auth_token, differently per node
+            print(f"sao: {AUTH_MODE} is not set: every node of a cluster must use the same authentication "
+                  f"(export {AUTH_MODE}=token and a shared {AUTH_TOKEN}, as the job scripts do)", file=sys.stderr)
+            return 2
         ports = PortBlock(args.first_port, args.port_count)
         spec = RayNodeSpec(args.num_cpus, args.num_gpus, args.temp_dir, worker_port_range(ports), args.engine_node)
         cmd = (worker_command(args.ip, args.head_address, ports, spec) if args.head_address
@@ -142,7 +237,7 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         nodes = wait_for_nodes(args.address, args.nodes, args.cpus_per_node, args.gpus_per_node, args.timeout,
                                engine_nodes=args.engine_nodes)
-    except JoinTimeout as e:
+    except (JoinTimeout, JoinRefused) as e:
         print(f"sao: {e}", file=sys.stderr, flush=True)
         return 3
     alive = [n for n in nodes if n.get("Alive")]

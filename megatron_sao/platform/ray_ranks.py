@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_sao.platform.spawn import RankFailed, configure_rank_process
+from megatron_sao.platform.spawn import RankFailed, configure_rank_process, rank_failure, user_error_of
 from megatron_sao.utils import lifetime
 
 
@@ -36,13 +36,19 @@ def connect_ray(address: str = "", min_cpus: float = 0.0) -> bool:
     and a 2-core box must still place a trainer and an engine side by side."""
     import ray
 
+    from megatron_sao.platform.ray_cluster import join_failure, use_explicit_auth
+
     if ray.is_initialized():
         return False
     lifetime.run_id()  # Ray's processes inherit the run's tag
     quiet = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
     if address:
-        ray.init(address=address, **quiet)
+        try:
+            ray.init(address=address, **quiet)
+        except (ConnectionError, RuntimeError) as e:  # say why: the token refused, or nothing there
+            raise ConnectionError(join_failure(address, e)[1]) from e
     else:
+        use_explicit_auth()  # the same mode and token whatever ~/.ray/auth_token holds
         # A local instance dies with this process: Ray starts GCS and raylet with PR_SET_PDEATHSIG
         # (ray/_private/services.py start_ray_process -> utils.set_kill_on_parent_death_linux;
         # node.py kernel_fate_share; it follows the calling thread: drivers call this from their
@@ -145,7 +151,7 @@ class RayRanks:
                     results[rank] = ray.get(ref)
                 except Exception as error:  # RayTaskError carries the rank's traceback
                     self.kill()
-                    raise RankFailed(f"rank {rank} failed:\n{error}") from None
+                    raise rank_failure([(rank, str(error), user_error_of(getattr(error, "cause", None)))]) from None
             if pending and time.monotonic() > deadline:
                 self.kill()
                 raise RankFailed(f"timed out after {timeout_s:.0f} s waiting for ranks "

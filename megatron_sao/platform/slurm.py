@@ -12,12 +12,13 @@ node-ip|ports|hostnames`), so the job script needs no parsing of its own.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import re
 import socket
 import sys
 from dataclasses import dataclass
+
+from megatron_sao.utils.args import SaoArgumentParser
 
 PORTS_PER_JOB = 16
 """Ports one job takes from its block (Ray GCS, dashboard, client, node/object managers, the
@@ -98,7 +99,7 @@ def node_ip(interface: str = "", hostname: str | None = None, allow_loopback: bo
 
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_sao.platform.slurm")
+    parser = SaoArgumentParser(prog="python -m megatron_sao.platform.slurm")
     sub = parser.add_subparsers(dest="cmd", required=True)
     ip = sub.add_parser("node-ip", help="print the IPv4 address this node advertises")
     ip.add_argument("--interface", default="")

@@ -27,6 +27,33 @@ class RankFailed(RuntimeError):
     """A spawned rank raised; the message carries its traceback."""
 
 
+class RankUserError(RankFailed, ValueError):
+    """A rank raised a user error (`ValueError` / `NotImplementedError`: bad input, found where only
+    a rank could find it). It stays one: `str()` is that error's own message, once, however many
+    ranks raised it, so the command exits 2 with it as its last line (docs/exit-codes.md);
+    `tracebacks` keeps what the failing ranks reported, for the log."""
+
+    def __init__(self, message: str, tracebacks: str) -> None:
+        super().__init__(message)
+        self.tracebacks = tracebacks
+
+
+def user_error_of(error: BaseException | None) -> str | None:
+    """The message of `error` when it is a user error (as `utils.console.run_command` counts them)."""
+    return str(error) if isinstance(error, ValueError | NotImplementedError) else None
+
+
+def rank_failure(failures: list[tuple[int, str, str | None]]) -> RankFailed:
+    """The exception for failed ranks, each (rank, traceback or reason, user error message or None):
+    the lowest rank's user error as `RankUserError` when any rank had one (the others most likely
+    failed because of it: a peer gone from a collective), else `RankFailed` with every traceback."""
+    tracebacks = "\n".join(f"rank {rank} failed:\n{text}" for rank, text, _ in failures)
+    user = sorted((rank, message) for rank, _, message in failures if message is not None)
+    if user:
+        return RankUserError(user[0][1], tracebacks)
+    return RankFailed(tracebacks)
+
+
 def configure_rank_process(rank: int, threads: int) -> None:
     """Logging, warnings and torch threads of a fresh rank process (spawned here or a Ray actor):
     rank 0 speaks, the others only warn; the libraries' per-bucket / per-plugin chatter is kept
@@ -71,15 +98,15 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         try:
             init_distributed()
         except Exception as error:
-            queue.put((rank, "port_taken" if _port_taken(error) else "failed", traceback.format_exc()))
+            queue.put((rank, "port_taken" if _port_taken(error) else "failed", traceback.format_exc(), None))
             return
         result = fn(*args)
         # Plain pickle (by value) rather than the queue's torch reducer, which shares tensor
         # storage through file descriptors the parent must fetch from this process while it is
         # still alive: a race with this process exiting right after.
-        queue.put((rank, "ok", pickle.dumps(result)))
-    except BaseException:
-        queue.put((rank, "failed", traceback.format_exc()))
+        queue.put((rank, "ok", pickle.dumps(result), None))
+    except BaseException as error:
+        queue.put((rank, "failed", traceback.format_exc(), user_error_of(error)))
     finally:
         with contextlib.suppress(Exception):  # teardown after a failure must not mask it
             destroy_distributed()
@@ -95,12 +122,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if not port_taken or attempt == PORT_ATTEMPTS - 1:
             break
     if failures:
-        raise RankFailed("\n".join(failures))
+        raise rank_failure(failures)
     return [results[r] for r in range(world_size)]
 
 
 def _launch(fn: Callable[..., Any], world_size: int, args: tuple,
-            timeout_s: float) -> tuple[dict[int, Any], list[str], bool]:
+            timeout_s: float) -> tuple[dict[int, Any], list[tuple[int, str, str | None]], bool]:
     """One launch on a fresh port: (results by rank, failures, whether the port was taken)."""
     ctx = mp.get_context("spawn")
     lifetime.run_id()  # the ranks inherit the run's tag
@@ -111,28 +138,29 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple,
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    failures: list[str] = []
+    failures: list[tuple[int, str, str | None]] = []  # (rank, traceback or reason, user error message)
     port_taken = False
     finished = False
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and not failures:
             try:
-                rank, status, payload = queue.get(timeout=1.0)
+                message = queue.get(timeout=1.0)
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
-                    failures.append(f"rank(s) {dead} died with exit code(s) "
-                                    f"{[procs[r].exitcode for r in dead]} before reporting")
+                    failures.append((dead[0], f"rank(s) {dead} died with exit code(s) "
+                                              f"{[procs[r].exitcode for r in dead]} before reporting", None))
                 elif time.monotonic() > deadline:
-                    failures.append(f"timed out after {timeout_s:.0f} s waiting for ranks "
-                                    f"{sorted(set(range(world_size)) - set(results))}")
+                    failures.append((-1, f"timed out after {timeout_s:.0f} s waiting for ranks "
+                                         f"{sorted(set(range(world_size)) - set(results))}", None))
                 continue
+            rank, status, payload, user_error = message
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:
                 port_taken = status == "port_taken"
-                failures.append(f"rank {rank} failed:\n{payload}")
+                failures.append((rank, payload, user_error))
         finished = True
     finally:  # every rank ends here (its keeper then ends what it started), even when this call is interrupted
         for p in procs:

@@ -6,7 +6,8 @@ as the env:// ones torch.distributed reads (RANK, WORLD_SIZE, LOCAL_RANK; MASTER
 MASTER_PORT come from the job script, which exports the head node's advertised IP and a port of
 the job's block), calls the function and writes its result (or its traceback) into a directory
 every node sees (the run directory). The caller gets the per-rank results in rank order, or
-RankFailed with the failing ranks' tracebacks, like `run_distributed`.
+RankFailed with the failing ranks' tracebacks (`RankUserError` for a user error), like
+`run_distributed`.
 
 Why a step and files rather than Ray actors: the trainer needs one process per GPU with NCCL
 between them, which is what srun gives; `--kill-on-bad-exit` turns one crashed rank into a failed
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_sao.platform.spawn import RankFailed
+from megatron_sao.platform.spawn import rank_failure, user_error_of
 from megatron_sao.utils.atomic import atomic_write_bytes
 
 STOP_SIGNAL = signal.SIGUSR2
@@ -88,21 +89,21 @@ def run_srun(fn: Callable[..., Any], world_size: int, *args: Any, ntasks_per_nod
         for s, handler in previous.items():
             signal.signal(s, handler)
     results: dict[int, Any] = {}
-    failures: list[str] = []
+    failures: list[tuple[int, str, str | None]] = []
     for rank in range(world_size):
         out = step_dir / f"rank{rank}.pkl"
         if not out.is_file():
             continue
-        ok, value = pickle.loads(out.read_bytes())
+        ok, value, user_error = pickle.loads(out.read_bytes())
         if ok:
             results[rank] = value
         else:
-            failures.append(f"rank {rank} failed:\n{value}")
+            failures.append((rank, value, user_error))
     missing = sorted(set(range(world_size)) - set(results))
     if missing and not failures:
-        failures.append(f"rank(s) {missing} ended without a result (srun exit {code})")
+        failures.append((missing[0], f"rank(s) {missing} ended without a result (srun exit {code})", None))
     if failures:
-        raise RankFailed("\n".join(failures))
+        raise rank_failure(failures)
     return [results[r] for r in range(world_size)]
 
 
@@ -142,9 +143,9 @@ def _task_main(payload: Path) -> int:
     try:
         fn, args = pickle.loads(payload.read_bytes())
         init_distributed()
-        record = (True, fn(*args))
-    except BaseException:  # every failure goes back to the caller, named by rank
-        record = (False, traceback.format_exc())
+        record = (True, fn(*args), None)
+    except BaseException as error:  # every failure goes back to the caller, named by rank
+        record = (False, traceback.format_exc(), user_error_of(error))
     finally:
         with contextlib.suppress(Exception):
             destroy_distributed()

@@ -8,24 +8,38 @@ may log a step twice; the later line wins (it is the one that continued).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 
 def read_metrics(path: Path) -> dict[int, dict]:
-    """`{step: metrics}` from a metrics.jsonl, sorted by step; a repeated step keeps its last line."""
+    """`{step: metrics}` from a metrics.jsonl, sorted by step; a repeated step keeps its last line.
+    A last line without its newline that does not parse is a line being written (a running run) or
+    cut by a kill: skipped with a warning. Any other bad line, or bytes that are not UTF-8, is a
+    ValueError naming the file and line."""
     rows: dict[int, dict] = {}
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    lines = Path(path).read_bytes().split(b"\n")
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line)") from e
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            if lineno == len(lines):  # no newline after it: still being written, or cut by a kill
+                logger.warning("%s:%d: skipping the last line, cut short (a running or killed run): %s", path,
+                               lineno, line[:80])
                 continue
-            try:
-                row = json.loads(line)
-                step = int(row["step"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a metrics line with a 'step': {e}") from e
-            rows[step] = row
+            raise ValueError(f"{path}:{lineno}: not a metrics line with a 'step': {e}") from e
+        rows[step] = row
     return dict(sorted(rows.items()))
 
 

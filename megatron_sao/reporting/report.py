@@ -46,6 +46,10 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
+        below = sorted(str(m.parent) for m in run_dir.glob("*/metrics.jsonl")) if run_dir.is_dir() else []
+        if below:  # e.g. `sao demo`'s runs/tiny_cpu, one run directory per stage
+            raise ValueError(f"{run_dir} is not a run directory (no metrics.jsonl) but holds {len(below)}: "
+                             f"{', '.join(below)}; report one of them")
         raise ValueError(f"{metrics_path}: no such file (expected the run directory of `sao train`)")
     rows = read_metrics(metrics_path)
     logged = logged_keys(rows)

@@ -3,9 +3,17 @@
 `RecordedTrajectories` reads a file written by `trajectory_io` (Parquet, or JSONL with one record
 per line) and hands out batches of `batch_size` trajectories in file order, wrapping around at the
 end (each pass is an epoch). A row that is not a valid trajectory record (unparseable, broken
-invariants, a non-finite reward) is skipped and counted with its file and row, like a bad prompt
-row (`rollout/datasets.py`); a file with no valid row is an error. The position (trajectories
-handed out so far) is the whole state: same file, same position -> same batches.
+invariants, a non-finite reward, a token id outside the model's vocabulary) is skipped and
+counted with its file and row, like a bad prompt row (`rollout/datasets.py`); a file with no
+valid row is an error. The position (trajectories handed out so far) is the whole state: same
+file, same position -> same batches.
+
+`check_trajectory_file` is the cheap check a job's parent process runs before any rank starts
+or any model is built: the file exists, has a known format and at least one row, and its rows
+carry every column a trajectory record needs (Parquet: the file's schema; JSONL: the first row
+that is a JSON object). A token id is checked against the vocabulary where the rows are parsed
+(every row, on the ranks): an id the embedding has no row for would crash a TP1 run with a bare
+IndexError and be masked to zero, silently, by TP > 1's vocab-parallel embedding.
 
 Routing (`routed_experts`, schema version 2): a row whose routing is malformed (a token mixing
 routed and not-routed entries, an expert chosen twice) or does not fit the model (`routing`: its
@@ -31,6 +39,59 @@ from megatron_sao.rollout.trajectory_io import trajectory_from_dict
 logger = logging.getLogger(__name__)
 
 _LOGGED_SKIPS = 20
+REQUIRED_COLUMNS = ("trajectory_id", "prompt_id", "token_ids", "loss_mask", "rollout_logprobs", "policy_versions",
+                    "prompt_length", "turns", "rewards", "status", "status_reason", "timings", "num_engine_calls",
+                    "num_engine_retries")
+"""What `trajectory_io.trajectory_from_dict` reads from every record, besides its metadata (`metadata` in
+JSONL, `metadata_json` in Parquet); `schema_version` is optional."""
+_METADATA_COLUMNS = {".jsonl": "metadata", ".parquet": "metadata_json"}
+
+
+def _missing_columns(columns: set[str], suffix: str) -> list[str]:
+    return [c for c in (*REQUIRED_COLUMNS, _METADATA_COLUMNS[suffix]) if c not in columns]
+
+
+def check_trajectory_file(path: str | Path) -> None:
+    """ValueError naming the file (and the missing columns) unless `path` is a trajectory file with
+    at least one row: reads the Parquet footer or the JSONL file up to its first JSON object, never
+    the whole file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"trajectory file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix not in _METADATA_COLUMNS:
+        raise ValueError(f"trajectory file {path}: unknown format; use .parquet or .jsonl")
+    if path.stat().st_size == 0:
+        raise ValueError(f"trajectory file {path} is empty")
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            raise ValueError(f"trajectory file {path} is not a readable Parquet file: {e}") from e
+        if parquet.metadata.num_rows == 0:
+            raise ValueError(f"trajectory file {path} has no rows")
+        columns = set(parquet.schema_arrow.names)
+        where = "its schema"
+    else:
+        first = None
+        for line_number, raw in _rows(path):
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                continue  # a bad row: skipped and counted when the file is read
+            if isinstance(row, dict):
+                first = (line_number, row)
+                break
+        if first is None:
+            raise ValueError(f"trajectory file {path} has no row that is a JSON object (a trajectory record)")
+        columns = set(first[1])
+        where = f"its first record (line {first[0]})"
+    if missing := _missing_columns(columns, suffix):
+        raise ValueError(f"trajectory file {path} is not a trajectory file: {where} lacks the column(s) "
+                         f"{', '.join(missing)} (written by `trajectory_io`? see docs/training.md)")
 
 
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -57,6 +118,14 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
         raise ValueError(f"trajectory file {path}: unknown format; use .parquet or .jsonl")
 
 
+def _check_vocabulary(traj: Trajectory, vocab_size: int) -> None:
+    bad = [(i, t) for i, t in enumerate(traj.token_ids) if not 0 <= t < vocab_size]
+    if bad:
+        position, token = bad[0]
+        raise ValueError(f"token id {token} at position {position} is outside the model's vocabulary [0, {vocab_size})"
+                         + (f" ({len(bad)} such ids)" if len(bad) > 1 else ""))
+
+
 def _parse(raw: Any) -> Trajectory:
     row = json.loads(raw.decode("utf-8")) if isinstance(raw, bytes) else raw
     if not isinstance(row, dict):
@@ -69,10 +138,11 @@ def _parse(raw: Any) -> Trajectory:
     return traj
 
 
-def load_trajectories(path: str | Path, routing: RoutingSpec | None = None,
-                      with_routing: bool = True) -> tuple[list[Trajectory], LoadReport]:
+def load_trajectories(path: str | Path, routing: RoutingSpec | None = None, with_routing: bool = True,
+                      vocab_size: int | None = None) -> tuple[list[Trajectory], LoadReport]:
     """Every valid trajectory of `path`, in file order, and the report of what was skipped. With
-    `routing`, a row whose `routed_experts` does not fit that layout is skipped (`bad_routing`);
+    `vocab_size`, a row with a token id outside [0, vocab_size) is skipped too (`out_of_vocabulary`);
+    with `routing`, a row whose `routed_experts` does not fit that layout is skipped (`bad_routing`);
     `with_routing=False` drops every row's routing once checked."""
     path = Path(path)
     if not path.is_file():
@@ -84,6 +154,9 @@ def load_trajectories(path: str | Path, routing: RoutingSpec | None = None,
         reason = "bad_record"
         try:
             traj = _parse(raw)
+            if vocab_size is not None:
+                reason = "out_of_vocabulary"
+                _check_vocabulary(traj, vocab_size)
             if routing is not None and traj.routed_experts is not None:
                 reason = "bad_routing"
                 routing.check(traj.routed_experts)
@@ -107,11 +180,11 @@ class RecordedTrajectories:
     """Batches of `batch_size` recorded trajectories in file order, wrapping around at the end."""
 
     def __init__(self, path: str | Path, batch_size: int, routing: RoutingSpec | None = None,
-                 with_routing: bool = True) -> None:
+                 with_routing: bool = True, vocab_size: int | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.path = Path(path)
-        self.trajectories, self.report = load_trajectories(self.path, routing, with_routing)
+        self.trajectories, self.report = load_trajectories(self.path, routing, with_routing, vocab_size)
         self.batch_size = batch_size
         self.position = 0
 

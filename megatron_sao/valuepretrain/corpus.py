@@ -127,8 +127,24 @@ class ShardInfo:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShardInfo:
+    def from_dict(cls, data: dict[str, Any], where: str = "shard") -> ShardInfo:
+        """TypeError naming `where` and the field when a field is missing or of the wrong type."""
+        if not isinstance(data, dict):
+            raise TypeError(f"{where} is {_kind(data)}, expected an object")
         data = dict(data)
+        kinds = {"name": str, "split": str, "sha256": str, "num_bytes": int, "num_rows": int, "row_groups": list,
+                 "tokens": int, "action_tokens": int, "statuses": dict, "reward": dict, "dropped": dict}
+        for field, kind in kinds.items():
+            if field == "dropped" and field not in data:
+                continue
+            if not isinstance(data.get(field), kind) or isinstance(data.get(field), bool):
+                raise TypeError(f"{where}.{field} is {_kind(data.get(field))}, expected a {kind.__name__}")
+        if data["split"] not in SPLITS:
+            raise TypeError(f"{where}.split is {data['split']!r}, expected one of {', '.join(SPLITS)}")
+        if Path(data["name"]).name != data["name"] or data["name"] in ("", ".", ".."):
+            raise TypeError(f"{where}.name {data['name']!r} must be a file name inside the corpus directory")
+        if not all(isinstance(n, int) and n >= 0 for n in data["row_groups"]):
+            raise TypeError(f"{where}.row_groups must list row counts (integers >= 0)")
         data["reward"] = RewardStats.from_dict(data["reward"])
         return cls(**data)
 
@@ -175,12 +191,22 @@ def read_manifest(corpus_dir: str | Path) -> Manifest:
         raise ValueError(f"{path}: no corpus manifest (write the corpus with `sao value-pretrain generate`)")
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, expected an object")
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format_version {data.get('format_version')!r}, this code reads {FORMAT_VERSION}")
+        if not isinstance(data.get("shards"), list):
+            raise TypeError(f"field shards is {_kind(data.get('shards'))}, expected a list")
+        if not isinstance(data.get("generation", {}), dict):
+            raise TypeError(f"field generation is {_kind(data.get('generation'))}, expected an object")
         return Manifest(generation=dict(data.get("generation", {})),
-                        shards=[ShardInfo.from_dict(s) for s in data["shards"]])
-    except (ValueError, KeyError, TypeError) as e:
+                        shards=[ShardInfo.from_dict(s, where=f"shards[{i}]") for i, s in enumerate(data["shards"])])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a valid corpus manifest: {e}") from e
+
+
+def _kind(value: Any) -> str:
+    return "missing" if value is None else f"a {type(value).__name__}"
 
 
 def write_manifest(corpus_dir: str | Path, manifest: Manifest) -> Path:

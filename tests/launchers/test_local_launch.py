@@ -39,7 +39,13 @@ def test_local_launch_trains_the_tiny_recipe(tmp_path: Path, capfd: pytest.Captu
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_local_launch_returns_a_failing_drivers_exit_code(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """A user error in the driver is the launch's exit code, after Ray is torn down."""
-    assert main(["launch", "local", RECIPE, *_common(tmp_path), f"data.trajectories_path={tmp_path}/no"]) == 2
+    """A user error in the driver is the launch's exit code, after Ray is torn down: token ids no
+    row of the model's vocabulary holds, found by the ranks as they read the file (the launch's own
+    checks read only its schema), come back as the driver's one-line user error."""
+    out_of_vocab = tmp_path / "out_of_vocab.parquet"
+    write_parquet(out_of_vocab, random_trajectories(8, seed=4, vocab=1_000_000))
+    assert main(["launch", "local", RECIPE, *_common(tmp_path), f"data.trajectories_path={out_of_vocab}"]) == 2
     captured = capfd.readouterr()
-    assert "no such file" in captured.err and "driver exited with 2" in captured.out
+    assert "driver exited with 2" in captured.out
+    assert f"sao train: error: trajectory file {out_of_vocab} has no valid trajectory" in captured.err
+    assert "out_of_vocabulary=8" in captured.err and "Traceback" not in captured.err

@@ -53,14 +53,18 @@ def _submitted(out: str) -> str:
 
 @pytest.mark.timeout(300)
 def test_failing_job_exits_non_zero_with_its_message(local_slurm: int, trajectories: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    missing = tmp_path / "missing.parquet"
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    # A file whose schema the launch checks, but whose every token id is outside the model's
+    # vocabulary: the srun ranks find that as they read it, and it stays a user error (exit 2, its
+    # own message once).
+    out_of_vocab = tmp_path / "out_of_vocab.parquet"
+    write_parquet(out_of_vocab, random_trajectories(8, seed=4, vocab=1_000_000))
     code = main(["launch", "slurm", RECIPE, *_overrides(tmp_path, trajectories, 2),
-                 f"data.trajectories_path={missing}", "--nodes", "2", "--allow-loopback", "--wait"])
-    captured = capsys.readouterr()
+                 f"data.trajectories_path={out_of_vocab}", "--nodes", "2", "--allow-loopback", "--wait"])
+    captured = capfd.readouterr()
     assert code == 2
     assert "ended: FAILED, exit 2" in captured.out
-    assert f"sao train: error: data.trajectories_path='{missing}': no such file" in captured.err
+    assert f"sao train: error: trajectory file {out_of_vocab} has no valid trajectory" in captured.err
 
 
 def _wait_for_step(tmp_path: Path, job_id: str, step: int, timeout_s: float = 240) -> None:

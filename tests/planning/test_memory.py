@@ -113,12 +113,12 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["params_mtp"] > 11e9
 
 
-def test_cli_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exit_codes(capfd: pytest.CaptureFixture[str]) -> None:
     recipe = str(RECIPES / "qwen3_30b_a3b_math_sao.yaml")
     assert main(["plan", recipe, "parallelism.world_size=16", "parallelism.expert=16", "launcher.nnodes=3",
                  "rollout.num_engines=4"]) == 1
     assert main(["plan", recipe, "launcher.nnodes=1"]) == 2
-    assert "config error" in capsys.readouterr().err
+    assert "sao plan: config error: parallelism.world_size = 32" in capfd.readouterr().err
 
 
 def test_tiny_recipe_plans_without_a_checkpoint(tmp_path: Path) -> None:

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from megatron_sao.platform import RankFailed, run_distributed
+from megatron_sao.platform.spawn import RankUserError
 
 
 def _all_reduce_rank() -> tuple[int, int, float]:
@@ -26,8 +29,25 @@ def test_ranks_communicate_over_gloo():
 
 
 def test_rank_failure_is_reported_with_traceback():
-    with pytest.raises(RankFailed, match=r"rank 1 failed:(.|\n)*boom on rank one"):
+    """A rank's user error (ValueError) stays one: its own message, the traceback kept beside it."""
+    with pytest.raises(RankUserError) as failed:
         run_distributed(_fail_on_rank_one, 2, timeout_s=120)
+    assert isinstance(failed.value, RankFailed) and isinstance(failed.value, ValueError)
+    assert str(failed.value) == "boom on rank one"
+    assert re.search(r"rank 1 failed:(.|\n)*Traceback(.|\n)*boom on rank one", failed.value.tracebacks)
+
+
+def _crash_on_rank_one() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("a bug on rank one")
+
+
+def test_an_internal_error_on_a_rank_keeps_its_traceback():
+    with pytest.raises(RankFailed, match=r"rank 1 failed:(.|\n)*RuntimeError: a bug on rank one") as failed:
+        run_distributed(_crash_on_rank_one, 2, timeout_s=120)
+    assert not isinstance(failed.value, ValueError)
 
 
 def _backend() -> str:

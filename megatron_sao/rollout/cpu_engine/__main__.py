@@ -23,7 +23,8 @@ from megatron_sao.rollout.cpu_engine.server import CPUEngine, CPUEngineConfig, c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_sao.rollout.cpu_engine", description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m megatron_sao.rollout.cpu_engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "--model-path", dest="model_path", required=True, help="HF checkpoint directory")
     parser.add_argument("--host", default="127.0.0.1")

@@ -17,7 +17,7 @@ from megatron_sao.rollout.sandbox import run_python
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout", type=float, default=30.0, help="wall-clock seconds")
     parser.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per process")
     args = parser.parse_args(argv)

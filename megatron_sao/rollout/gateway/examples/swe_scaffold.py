@@ -68,7 +68,8 @@ def _log(*parts: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="A small SWE agent on the openai client, with a sandboxed bash tool.")
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description="A small SWE agent on the openai client, with a sandboxed bash tool.")
     parser.add_argument("--max-steps", type=int, default=30, help="model turns at most")
     parser.add_argument("--command-timeout", type=float, default=10.0, help="seconds per bash command")
     parser.add_argument("--max-output-chars", type=int, default=2000, help="tool output shown to the model")

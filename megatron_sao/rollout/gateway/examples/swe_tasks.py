@@ -164,7 +164,7 @@ def write_swe_dataset(path: str | Path, num: int, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write tiny repository tasks (prompt JSONL).")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description="Write tiny repository tasks (prompt JSONL).")
     parser.add_argument("--out", required=True, help="output .jsonl")
     parser.add_argument("--num", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)

@@ -68,7 +68,8 @@ def verify(task: dict[str, Any], repo: Path, *, sandbox_exec: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the task's tests on ./repo in the sandbox; print the reward.")
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description="Run the task's tests on ./repo in the sandbox; print the reward.")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the test run")
     args = parser.parse_args(argv)
     workdir = Path(os.environ.get("SAO_WORKDIR", "."))
