@@ -11,6 +11,9 @@ configured TP / PP / EP / DP layout, their optimizers and LR schedules. One `tra
   3. actor, after `critic.warmup_steps` steps (from the start when there is no critic): log-probs
      of the trajectories' tokens -> DIS against the rollout log-probs (or PPO clip) -> one optimizer
      update per mini-batch (`actor.num_mini_batches`, default 1).
+Context parallelism (CP > 1): every rank holds whole micro-batches; the model and the losses see
+this rank's two chunks of each sequence (training/context_parallel.py), and the critic's values
+are gathered back to whole trajectories for GAE.
 A non-finite loss or gradient skips the update on every rank and ends the step there (nothing
 downstream trains on NaN advantages); the step is counted in `train/skipped_steps`, and
 `run.max_consecutive_skipped_steps` in a row abort the run.
@@ -45,10 +48,11 @@ from megatron_sao.training.steps import (
     SFT_SUMS,
     VALUE_SUMS,
     all_ranks_agree,
-    forward_only,
     guarded_update,
+    label_outputs_forward,
     policy_loss_fn,
     reduce_sums,
+    sequence_outputs,
     sft_loss_fn,
     value_loss_fn,
 )
@@ -99,9 +103,6 @@ class SaoTrainer:
     def __init__(self, config: SaoConfig, mode: Mode = "rl") -> None:
         from megatron.core import parallel_state
 
-        if config.parallelism.context > 1:
-            raise NotImplementedError("context-parallel training (parallelism.context > 1) is not built yet: the "
-                                      "trainer does not split sequences across CP ranks; set parallelism.context=1")
         self.config = config
         self.mode = mode
         self.state = TrainerState()
@@ -190,7 +191,8 @@ class SaoTrainer:
         """Values -> advantages and targets -> K critic updates. Returns (skipped, advantage rows
         by global trajectory index, last stage only)."""
         alg, critic_cfg = self.config.algorithm, self.config.critic
-        heads = forward_only(self.critic, batch.micro_batches, lambda out, mb: out.detach().float())
+        # Whole sequences on every CP rank: GAE runs over whole trajectories.
+        heads = sequence_outputs(self.critic, batch.micro_batches, lambda out, mb: out.detach().float())
         rows: dict[int, torch.Tensor] = {}
         finite = True
         value_sums = []
@@ -207,7 +209,7 @@ class SaoTrainer:
             for row, index in enumerate(batch.trajectory_indices[k]):
                 rows[index] = advantages_bt[row, : int(mb["lengths"][row])]
             value_sums.append({"sums": _value_phase_sums(values_bt, returns_bt, advantages_bt, mb["loss_mask"])})
-        phase = reduce_sums(value_sums, VALUE_PHASE_SUMS)
+        phase = reduce_sums(value_sums, VALUE_PHASE_SUMS, replicated_over_cp=True)
         if not all_ranks_agree(finite):
             return True, {}
         updates = []
@@ -235,11 +237,12 @@ class SaoTrainer:
                     mb["advantages"] = _advantages_for(mb, global_rows, adv_rows, trajectory_adv_b, self.is_last_stage)
         if self.mode == "rl" and alg.policy_loss == "ppo_clip":
             self._set_old_logprobs([b for b, _ in mini_batches], temperature)
-        loss_fn = policy_loss_fn(alg, temperature) if self.mode == "rl" else sft_loss_fn()
+        loss_fn = policy_loss_fn(alg) if self.mode == "rl" else sft_loss_fn()
         names = POLICY_SUMS if self.mode == "rl" else SFT_SUMS
+        forward = label_outputs_forward(temperature if self.mode == "rl" else 1.0, actor_cfg.logits_chunk_tokens)
         updates = []
         for batch, _ in mini_batches:
-            tracked = _tracked_forward(self.router_load)
+            tracked = _tracked_forward(self.router_load, forward)
             update = guarded_update(self.actor, batch.micro_batches, loss_fn, names,
                                     actor_cfg.optim.use_distributed_optimizer, forward_fn=tracked)
             updates.append(update)
@@ -255,18 +258,18 @@ class SaoTrainer:
         return False
 
     def _set_old_logprobs(self, batches: list[RankBatch], temperature: float) -> None:
-        from megatron_sao.training.logits import token_logprobs_and_entropy
+        from megatron_sao.training.context_parallel import token_positions
 
         if self.config.algorithm.old_logprobs == "rollout":
             for batch in batches:
                 for mb in batch.micro_batches:
                     mb["old_logprobs"] = mb["rollout_logprobs"]
             return
+        forward = label_outputs_forward(temperature, self.config.actor.logits_chunk_tokens)
         for batch in batches:
-            logprobs = forward_only(self.actor, batch.micro_batches,
-                                    lambda out, mb: token_logprobs_and_entropy(out, mb["labels"], temperature)[0])
-            for mb, logprobs_bt in zip(batch.micro_batches, logprobs, strict=False):
-                mb["old_logprobs"] = logprobs_bt
+            logprobs = sequence_outputs(self.actor, batch.micro_batches, lambda out, mb: out[0], forward)
+            for mb, logprobs_bs in zip(batch.micro_batches, logprobs, strict=False):
+                mb["old_logprobs"] = token_positions(logprobs_bs)
 
     def _finish_step(self, trajectories: list[Trajectory], skipped: bool, metrics: dict[str, float]) -> None:
         state = self.state
@@ -360,12 +363,10 @@ def _advantages_for(mb: MicroBatch, global_rows: list[int], adv_rows: dict[int, 
     return out_bt
 
 
-def _tracked_forward(tracker: RouterLoadTracker):
-    from megatron_sao.training.steps import model_forward
-
-    def forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+def _tracked_forward(tracker: RouterLoadTracker, forward_fn):
+    def forward(model: torch.nn.Module, mb: MicroBatch):
         with tracker.tracking(mb["token_mask"]):
-            return model_forward(model, mb)
+            return forward_fn(model, mb)
 
     return forward
 

@@ -67,8 +67,7 @@ def test_micro_batch_in_megatron_conventions():
     mb = build_micro_batch(trajectories, PackingConfig(pad_to_multiple_of=8))
     b, t = mb["input_ids"].shape
     assert b == 3 and t % 8 == 0 and t >= max(len(x) for x in trajectories)
-    assert mb["attention_mask"].shape == (1, 1, t, t) and mb["attention_mask"].dtype == torch.bool
-    assert bool(mb["attention_mask"][0, 0, 0, 1]) and not bool(mb["attention_mask"][0, 0, 1, 0])  # True = masked
+    assert "attention_mask" not in mb  # causal by the layers' mask type: no [t, t] tensor
     assert torch.equal(mb["labels"][:, :-1], mb["input_ids"][:, 1:])
     for row, traj in enumerate(trajectories):
         n = len(traj)
