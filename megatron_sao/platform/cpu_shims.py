@@ -184,6 +184,18 @@ def _shim_pos_emb_on_this_cp_rank() -> None:
         module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
+def _shim_cuda_rng_state() -> None:
+    """Activation recomputation (`model.recompute_granularity` full or selective) runs through
+    `tensor_parallel.CheckpointFunction`, which saves the CPU and CUDA RNG states with each
+    checkpoint and restores them for the recomputation (`random._get_all_rng_states` /
+    `_set_all_rng_states`); the CUDA one does not exist on CPU. The CPU state is still saved and
+    restored; the CUDA state is an empty placeholder."""
+    import megatron.core.tensor_parallel.random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
 CPU_SHIMS: dict[str, Callable[[], None]] = {
     "current_device": _shim_current_device,
     "cuda_device_factories": _shim_cuda_device_factories,
@@ -192,6 +204,7 @@ CPU_SHIMS: dict[str, Callable[[], None]] = {
     "grad_clip": _shim_grad_clip,
     "distributed_optimizer_param_types": _shim_distributed_optimizer_param_types,
     "pos_emb_on_this_cp_rank": _shim_pos_emb_on_this_cp_rank,
+    "cuda_rng_state": _shim_cuda_rng_state,
 }
 
 
