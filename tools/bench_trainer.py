@@ -42,7 +42,13 @@ def bench_rank(hf_dir: str, args: argparse.Namespace) -> dict[str, float]:
 
     from megatron_sao.training.forward_backward import run_forward_backward
     from megatron_sao.training.optim import zero_grads
-    from megatron_sao.training.steps import forward_only, model_forward, token_loss_forward, value_loss_fn
+    from megatron_sao.training.steps import (
+        forward_only,
+        model_batches,
+        model_forward,
+        token_loss_forward,
+        value_loss_fn,
+    )
     from megatron_sao.training.trainer import _packing
     from tests.training.trainer_worker import build_trainer
     from tests.training.trajectories import random_trajectories
@@ -53,23 +59,25 @@ def bench_rank(hf_dir: str, args: argparse.Namespace) -> dict[str, float]:
                                      f"critic.micro_batch_size={args.micro_batch}"])
     trajectories = random_trajectories(args.batch, seed=0, lengths=(args.min_len, args.max_len))
     tokens = sum(len(t) for t in trajectories)
-    actor_mbs = trainer._shard(trajectories, "actor").micro_batches
-    critic_mbs = trainer._shard(trajectories, "critic").micro_batches
+    actor_mbs = model_batches(trainer._shard(trajectories, "actor").micro_batches)
+    critic_full = trainer._shard(trajectories, "critic").micro_batches
     assert _packing(trainer.config, "actor") == _packing(trainer.config, "critic")
 
     def plain_actor_fb() -> None:
         zero_grads(trainer.actor)
         run_forward_backward(trainer.actor.chunks, actor_mbs, token_loss_forward,
-                             lambda out, mb: (torch.where(mb["loss_mask"], out, 0.0).sum(),
-                                              mb["loss_mask"].sum().to(torch.int), {}))
+                             lambda out, mb: (torch.where(mb["label_loss_mask"], out, 0.0).sum(),
+                                              mb["label_loss_mask"].sum().to(torch.int), {}))
 
     def critic_forward() -> None:
-        forward_only(trainer.critic, critic_mbs, lambda out, mb: out)
+        forward_only(trainer.critic, critic_full, lambda out, mb: out)
+
+    for mb in critic_full:
+        mb.setdefault("returns", torch.zeros_like(mb["rewards"]))
+        mb.setdefault("old_values", torch.zeros_like(mb["rewards"]))
+    critic_mbs = model_batches(critic_full)
 
     def critic_fb() -> None:
-        for mb in critic_mbs:
-            mb.setdefault("returns", torch.zeros_like(mb["rewards"]))
-            mb.setdefault("old_values", torch.zeros_like(mb["rewards"]))
         zero_grads(trainer.critic)
         run_forward_backward(trainer.critic.chunks, critic_mbs, model_forward, value_loss_fn(None))
 

@@ -13,7 +13,6 @@ families build the same module tree here and in training.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,41 +90,7 @@ def build_for_conversion(config: Any, role: Role) -> list[torch.nn.Module]:
     from megatron_sao.platform import init_model_parallel
 
     init_model_parallel(config.parallelism, seed=config.run.seed)
-    with _local_attention_under_cp(config.parallelism.context):
-        return build_model(config, role=role).chunks
-
-
-@contextlib.contextmanager
-def _local_attention_under_cp(context_parallel: int) -> Iterator[None]:
-    """Let the local (CPU) spec build under context parallelism, for conversion only.
-
-    Megatron's local `DotProductAttention` refuses CP > 1 (only Transformer Engine's attention
-    implements the ring exchange), yet it holds no weights: the checkpoint of a CP model is the
-    same with either attention. While building, the local attention is constructed as if CP were
-    1, and its forward is replaced by an error, so a CPU model built here converts weights but can
-    never compute a wrong (chunk-local) attention. With Transformer Engine nothing is changed."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    if context_parallel == 1:
-        yield
-        return
-    original = DotProductAttention.__init__
-
-    def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, dataclasses.replace(config, context_parallel_size=1), *args, **kwargs)
-        self.config = config
-
-        def refuse(*_: Any, **__: Any) -> None:
-            raise NotImplementedError("attention under context parallelism needs Transformer Engine; this "
-                                      "CPU model was built for weight conversion only")
-
-        self.forward = refuse
-
-    DotProductAttention.__init__ = init
-    try:
-        yield
-    finally:
-        DotProductAttention.__init__ = original
+    return build_model(config, role=role).chunks
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ layer's weights at a time (plus its Megatron shard) on 1 rank or N (torchrun / s
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,8 @@ class VerifyResult:
 
 def prompt_token_ids(hf_dir: Path, prompt: str, max_tokens: int, multiple: int = 8) -> torch.Tensor:
     """The prompt tokenised by the checkpoint's tokenizer, cut to a multiple of `multiple` tokens
-    (sequence parallelism splits the sequence over TP ranks). Shape [1, T]."""
+    (sequence parallelism splits the sequence over TP ranks, context parallelism in 2 x CP chunks).
+    Shape [1, T]."""
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(str(hf_dir))(prompt)["input_ids"][:max_tokens]
@@ -67,16 +69,18 @@ def prompt_token_ids(hf_dir: Path, prompt: str, max_tokens: int, multiple: int =
 
 def forward_outputs(chunks: list[torch.nn.Module], tokens_bt: torch.Tensor) -> torch.Tensor:
     """Collective: the model's full output [B, T, V] (actor) or [B, T, 1] (critic) on every rank,
-    on the host (where the HF reference is computed); the model runs on the compute device."""
+    on the host (where the HF reference is computed); the model runs on the compute device. Under
+    context parallelism each rank runs its chunks of the sequence and the outputs are gathered."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_sao.models.outputs import causal_attention_mask, position_ids_for
+    from megatron_sao.models.outputs import position_ids_for
+    from megatron_sao.training.context_parallel import cp_group, gather_sequence, split_sequence
 
-    device = compute_device()
-    tokens_bt = tokens_bt.to(device)
-    positions, mask = position_ids_for(tokens_bt), causal_attention_mask(tokens_bt.shape[1], device=device)
+    tokens_bt = tokens_bt.to(compute_device())
+    local = split_sequence({"ids": tokens_bt, "positions": position_ids_for(tokens_bt)}, cp_group())
+    tokens_bt, positions, mask = local["ids"], local["positions"], None  # causal by the layers' mask type
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
@@ -88,7 +92,8 @@ def forward_outputs(chunks: list[torch.nn.Module], tokens_bt: torch.Tensor) -> t
 
             results = get_forward_backward_func()(
                 forward_step_func=step, data_iterator=[iter([None]) for _ in chunks], model=chunks,
-                num_microbatches=1, seq_length=tokens_bt.shape[1], micro_batch_size=tokens_bt.shape[0],
+                num_microbatches=1, seq_length=tokens_bt.shape[1] * parallel_state.get_context_parallel_world_size(),
+                micro_batch_size=tokens_bt.shape[0],
                 forward_only=True, collect_non_loss_data=True)
             group = parallel_state.get_pipeline_model_parallel_group()
             last = torch.distributed.get_global_rank(group, torch.distributed.get_world_size(group) - 1)
@@ -96,6 +101,7 @@ def forward_outputs(chunks: list[torch.nn.Module], tokens_bt: torch.Tensor) -> t
             out = _broadcast_tensor(out, last, group)
         if out.shape[-1] != 1 and parallel_state.get_tensor_model_parallel_world_size() > 1:
             out = gather_from_tensor_model_parallel_region(out)
+        out = gather_sequence(out, cp_group())
     return out.float().cpu()
 
 
@@ -168,7 +174,10 @@ def mcore_outputs(mcore_dir: Path, tokens_bt: torch.Tensor, layout: Layout,
 
 def verify(request: VerifyRequest) -> VerifyResult:
     """Collective: compare HF and Megatron outputs; the result is the same on every rank."""
-    tokens = prompt_token_ids(Path(request.hf_dir), request.prompt, request.max_tokens)
+    layout = request.layout
+    # Sequence parallelism splits a CP rank's share over TP; CP cuts the sequence in 2 x CP chunks.
+    multiple = math.lcm(8, 2 * layout.cp * layout.tp)
+    tokens = prompt_token_ids(Path(request.hf_dir), request.prompt, request.max_tokens, multiple)
     role, megatron = mcore_outputs(Path(request.mcore_dir), tokens, request.layout, request.verify_checksums)
     hf_role, reference = streamed_hf_outputs(Path(request.hf_dir), tokens)
     result, errors = None, []

@@ -53,6 +53,7 @@ RANGES: dict[str, Check] = {
     **{f"{role}.optim.{k}": c for role in ("actor", "critic") for k, c in _OPTIM.items()},
     **{f"{role}.{k}": c for role in ("actor", "critic") for k, c in _ROLE.items()},
     "actor.num_mini_batches": _AT_LEAST_ONE,
+    "actor.logits_chunk_tokens": _AT_LEAST_ONE,
     "critic.value_clip": _POSITIVE,
     "critic.value_head_init_std": _POSITIVE,
     "critic.updates_per_actor_step": _AT_LEAST_ONE,

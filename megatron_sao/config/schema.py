@@ -83,7 +83,13 @@ class ParallelismConfig:
     expert_tensor: int | None = None
     """Expert tensor-parallel size (ETP); None means equal to `tensor`."""
     context: int = 1
-    """Context-parallel size (CP): sequence split across ranks for long rollouts."""
+    """Context-parallel size (CP): each sequence split into 2 x CP chunks, rank r holding chunks
+    r and 2 CP - 1 - r (Megatron's load-balanced causal layout); for long trajectories."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] | None = None
+    """How attention exchanges keys/values under CP on GPU (Transformer Engine's `cp_comm_type`):
+    p2p (ring, overlapped with compute), all_gather, a2a (Ulysses: heads scattered over CP),
+    a2a+p2p (hierarchical). None: p2p, or all_gather for GLM-5's sparse attention (DSA), the only
+    one it supports. The CPU attention always all-gathers (docs/training.md)."""
     sequence_parallel: bool | None = None
     """Sequence parallelism; None turns it on whenever tensor > 1 (required with MoE)."""
     world_size: int | None = None
@@ -150,6 +156,11 @@ class ActorConfig(RoleConfig):
     always routes itself. null (default): on for an MoE model with `rollout.source=engine`; with
     `rollout.source=recorded`, on when the file's records carry routing (the tiny recorded
     demo's do not); off for a dense model. `sao sft` never replays."""
+    logits_chunk_tokens: int | None = 2048
+    """Tokens (rows x positions of a micro-batch, per CP rank) whose vocabulary logits are
+    computed at once for log-probs, entropy and the SFT loss; each chunk is recomputed in the
+    backward, so `tokens x vocab` logits never exist at once. None: all tokens of a micro-batch
+    at once (no recomputation)."""
 
 
 @dataclass(kw_only=True)

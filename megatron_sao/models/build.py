@@ -137,6 +137,8 @@ def _configure_provider(provider: Any, config: SaoConfig, routing_replay: bool =
     provider.pipeline_model_parallel_size = par.pipeline
     provider.virtual_pipeline_model_parallel_size = par.virtual_pipeline
     provider.context_parallel_size = par.context
+    if par.context > 1:
+        provider.cp_comm_type = _cp_comm_type(provider, par.cp_comm_type)
     provider.expert_model_parallel_size = par.expert
     provider.expert_tensor_parallel_size = expert_tensor_size(config)
     provider.sequence_parallel = sequence_parallel_enabled(config)
@@ -189,6 +191,16 @@ def _configure_provider(provider: Any, config: SaoConfig, routing_replay: bool =
         provider.moe_enable_routing_replay = True
         provider.moe_router_fusion = False
     provider.finalize()
+
+
+def _cp_comm_type(provider: Any, configured: str | None) -> str:
+    """Transformer Engine's CP exchange for `parallelism.cp_comm_type` (None: p2p; all_gather for
+    DSA, whose `DSAttention` accepts nothing else: megatron-core 0.19.2 transformer_config.py)."""
+    dsa = getattr(provider, "experimental_attention_variant", None) == "dsa"
+    if dsa and configured not in (None, "all_gather"):
+        raise ValueError(f"parallelism.cp_comm_type={configured}: the model's sparse attention (DSA) supports "
+                         "context parallelism with all_gather only")
+    return configured or ("all_gather" if dsa else "p2p")
 
 
 def build_provider(config: SaoConfig, routing_replay: bool = False) -> tuple[Any, Any]:

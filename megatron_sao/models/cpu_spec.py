@@ -8,11 +8,14 @@ Megatron-Core's own per-layer block spec (`get_gpt_decoder_block_spec`) with the
 which the family bridges would use with Transformer Engine off, plus the two pieces Megatron-Core
 0.19.2 lacks for that path:
 
-- MLA passes `k_channels` / `v_channels` to its core attention (query/key and value heads have
-  different sizes); the local `DotProductAttention` accepts neither. `MLADotProductAttention`
-  accepts them; its arithmetic is the local one, only the output width is heads x v_channels.
+- the core attention: the local `DotProductAttention` materialises `[s, s]` scores, refuses
+  context parallelism, and accepts no `k_channels` / `v_channels` (MLA's query/key and value heads
+  differ in size). `cpu_attention.CausalAttention` replaces it in every standard and MLA layer:
+  causal by position (no mask tensor), flash-style (memory linear in s), context parallel.
 - the DSA indexer asks its backend for a plain (TP-duplicated) `linear()`, which the local
-  backend does not provide. `DuplicatedLinear` is that layer on torch.
+  backend does not provide. `DuplicatedLinear` is that layer on torch. GLM-5's sparse core
+  attention (`DSAttention`) is Megatron-Core's own; under CP it all-gathers keys and values
+  itself (`cp_comm_type="allgather"`, the only one it accepts).
 
 `models.build` uses `cpu_block_spec` whenever CUDA is absent (training and conversion alike); on
 GPU the bridges' own (Transformer Engine) specs apply.
@@ -20,28 +23,12 @@ GPU the bridges' own (Transformer Engine) specs apply.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-
-class MLADotProductAttention(DotProductAttention):
-    """Local (unfused) core attention whose key and value head sizes may differ (MLA)."""
-
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 k_channels: int | None = None, v_channels: int | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
-        if softmax_scale is None and k_channels is not None:
-            softmax_scale = 1.0 / math.sqrt(k_channels)
-        super().__init__(config, layer_number, attn_mask_type, attention_type,
-                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
-                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        if v_channels is not None:
-            # The context is [sq, b, heads_per_partition * v_channels], not kv_channels-wide.
-            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+from megatron_sao.models.cpu_attention import CausalAttention
 
 
 class DuplicatedLinear(torch.nn.Module):
@@ -85,12 +72,12 @@ def _local_backend_with_linear() -> Any:
     return LocalSpecProviderWithLinear()
 
 
-def _use_mla_core_attention(layer_specs: list[Any]) -> None:
+def _use_causal_core_attention(layer_specs: list[Any]) -> None:
     for spec in layer_specs:
         attention = spec.submodules.self_attention
         submodules = getattr(attention, "submodules", None)
         if submodules is not None and getattr(submodules, "core_attention", None) is DotProductAttention:
-            submodules.core_attention = MLADotProductAttention
+            submodules.core_attention = CausalAttention
 
 
 def _use_column_parallel_down_projections(layer_specs: list[Any]) -> None:
@@ -112,8 +99,7 @@ def cpu_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     if getattr(config, "experimental_attention_variant", None) is None:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                            normalization=config.normalization, vp_stage=vp_stage)
-        if config.multi_latent_attention:
-            _use_mla_core_attention(block.layer_specs)
+        _use_causal_core_attention(block.layer_specs)
         return block
 
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants

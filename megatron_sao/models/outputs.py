@@ -35,7 +35,3 @@ def position_ids_for(input_ids_bt: torch.Tensor) -> torch.Tensor:
     batch, seq = input_ids_bt.shape
     return torch.arange(seq, device=input_ids_bt.device).unsqueeze(0).expand(batch, seq).contiguous()
 
-
-def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Megatron's boolean mask convention: True = masked out; shape [1, 1, T, T]."""
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]

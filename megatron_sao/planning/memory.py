@@ -12,10 +12,13 @@ The model (all terms in GiB per GPU, for the worst pipeline stage):
   experts) by the distributed optimizer;
 - activations: the estimate of `ModelCensus.activation_elems_per_token` per layer and token,
   divided by TP (sequence parallel) and CP, for `min(PP - stage, micro-batches)` micro-batches in
-  flight (1F1B). `full` recompute keeps only each layer's input plus one layer's working set;
+  flight (1F1B), plus one layer's working set for the backward, for the largest micro-batch (the
+  token budget, or one `rollout.max_total_tokens` trajectory alone when longer). Attention is
+  flash-style (no [s, s] scores or mask). `full` recompute keeps only each layer's input;
   `selective` is counted as `none` (it recomputes core attention, which flash attention does not
-  store anyway). The actor's last stage also holds fp32 logits and their softmax (6 B per token x
-  vocab / TP). Actor and critic train one after the other: the larger of the two counts;
+  store anyway). The actor's last stage adds the logits of one `actor.logits_chunk_tokens` chunk
+  (model dtype + 16 B of fp32 copies per token x vocab / TP; all local tokens when unset). Actor and
+  critic train one after the other: the larger of the two counts;
 - engines: SGLang reserves `mem_fraction_static` of the GPU for weights (sharded over the
   engine's TP) and KV cache; the KV pool must hold at least one `rollout.max_total_tokens`
   trajectory. Colocated engines add that reservation to the trainer GPU;
@@ -36,7 +39,9 @@ from megatron_sao.planning.placement import GpuLayout, gpu_layout
 
 RUNTIME_OVERHEAD_GIB = 3.0
 GRAD_BYTES = 4
-LOGIT_BYTES = 6
+LOGIT_FP32_BYTES = 16
+"""Per logit beyond the model's own: the fp32 copy divided by the temperature (which the cross
+entropy turns into its softmax in place) and the entropy's three fp32 temporaries."""
 
 
 @dataclass(slots=True)
@@ -143,10 +148,19 @@ def _role_states(config: SaoConfig, census: ModelCensus, stage: int, critic: boo
     return counts.params * w_bytes, counts.trainable * GRAD_BYTES, counts.optimizer_elems * optim_bytes
 
 
+def micro_batch_tokens(config: SaoConfig, role: RoleConfig) -> int:
+    """Padded tokens of the largest micro-batch: the token budget, or a longest trajectory alone
+    when it exceeds it (training/batches.py gives such a trajectory a micro-batch of its own)."""
+    longest = config.rollout.max_total_tokens
+    if role.max_tokens_per_micro_batch is None:
+        return role.micro_batch_size * longest
+    return max(role.max_tokens_per_micro_batch, longest)
+
+
 def _activations(config: SaoConfig, census: ModelCensus, role: RoleConfig, stage: int, critic: bool) -> float:
     p = config.parallelism
     act_bytes = 4 if config.model.dtype == "float32" else 2
-    tokens = role.max_tokens_per_micro_batch or role.micro_batch_size * config.rollout.max_total_tokens
+    tokens = micro_batch_tokens(config, role)
     local_tokens = tokens / (p.context * p.tensor)
     dp = trainer_world_size(config) // (p.tensor * p.pipeline * p.context)
     trajectories = config.data.batch_size * config.algorithm.group_size
@@ -154,14 +168,32 @@ def _activations(config: SaoConfig, census: ModelCensus, role: RoleConfig, stage
     in_flight = min(p.pipeline - stage, micro_batches)
     layers = _stage_layers(census.num_layers, p.pipeline, stage)
     per_layer = [census.activation_elems_per_token(i) for i in layers]
-    if config.model.recompute_granularity == "full":
-        stored = len(per_layer) * census.hidden_size * in_flight + max(per_layer)
-    else:
-        stored = sum(per_layer) * in_flight
-    total = stored * local_tokens * act_bytes
+    stored_per_layer = [census.hidden_size] * len(per_layer) if config.model.recompute_granularity == "full" \
+        else per_layer
+    # Everything the in-flight micro-batches keep, plus the backward's working set of one layer
+    # (its activation gradients, or under full recompute its recomputed activations).
+    elems = sum(stored_per_layer) * in_flight + max(per_layer)
+    if stage == 0:
+        elems += census.hidden_size  # the embedding output
+    if stage == p.pipeline - 1:
+        elems += 2 * census.hidden_size  # the final norm's input and output
+    total = elems * local_tokens * act_bytes
     if not critic and stage == p.pipeline - 1:
-        total += tokens / p.context * census.vocab_size / p.tensor * LOGIT_BYTES
+        # Logits of `actor.logits_chunk_tokens` tokens at a time (all local tokens when unset),
+        # never kept across chunks (training/logits.py).
+        chunk = config.actor.logits_chunk_tokens
+        logit_tokens = tokens / p.context if chunk is None else min(chunk, tokens / p.context)
+        total += logit_tokens * census.vocab_size / p.tensor * (act_bytes + LOGIT_FP32_BYTES)
     return total
+
+
+def activation_bytes(config: SaoConfig, census: ModelCensus, stage: int) -> float:
+    """The activation term of one GPU of `stage`: actor and critic train one after the other, so
+    the larger of the two."""
+    activations = _activations(config, census, config.actor, stage, critic=False)
+    if uses_critic(config):
+        activations = max(activations, _activations(config, census, config.critic, stage, critic=True))
+    return activations
 
 
 def _engine_terms(config: SaoConfig, census: ModelCensus, gpu: GpuSpec, layout: GpuLayout,
@@ -204,9 +236,7 @@ def plan_memory(config: SaoConfig, census: ModelCensus, gpu: GpuSpec) -> MemoryP
         actor = _role_states(config, census, stage, critic=False)
         critic = (_role_states(config, census, stage, critic=True) if uses_critic(config)
                   else (0.0, 0.0, 0.0))
-        activations = _activations(config, census, config.actor, stage, critic=False)
-        if uses_critic(config):
-            activations = max(activations, _activations(config, census, config.critic, stage, critic=True))
+        activations = activation_bytes(config, census, stage)
         terms = {
             "actor_weights": actor[0], "actor_grads": actor[1], "actor_optimizer": actor[2],
             "critic_weights": critic[0], "critic_grads": critic[1], "critic_optimizer": critic[2],

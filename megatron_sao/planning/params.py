@@ -132,17 +132,25 @@ class ModelCensus:
         return self.layers[index].get("experts", 0) > 0
 
     def activation_elems_per_token(self, index: int) -> int:
-        """Elements one layer keeps per token for backward without recomputation (an estimate:
-        norm inputs and outputs, q/k/v, attention output; expert inputs and the SwiGLU gate, up
-        and activation per routed copy; fp32 router probabilities counted twice)."""
+        """Elements one layer keeps per token for its backward without recomputation, as
+        Megatron-Core's layer saves them (checked against the saved tensors of the tiny Qwen3-MoE,
+        `tools/bench_long_context.py`):
+          attention: the norm's input and output (2h), the q/k/v projection, the rotated q and k
+            and the output the (flash) attention keeps with its per-head log-sum-exp, the rotary
+            cos / sin (MLA: per head; no [s, s] score tensor);
+          MoE: the norm's input and output (2h), router logits and probabilities (2E), per routed
+            copy its input and output (2h), the SwiGLU fc1 output (2 ffn) and activation (ffn);
+            a shared expert's fc1 output and activation (3 ffn); a dense MLP 2h + 3 ffn."""
         h = self.hidden_size
-        attn = 2 * h + self.num_heads * (self.qk_head_dim * 2 + self.v_head_dim * 2)
+        kv_heads = self.kv_heads or self.num_heads  # MLA: keys and values per head after up-projection
+        q, k = self.num_heads * self.qk_head_dim, kv_heads * self.qk_head_dim
+        v, out = kv_heads * self.v_head_dim, self.num_heads * self.v_head_dim
+        attn = 2 * h + (q + k + v) + (q + k) + out + self.num_heads + 2 * self.qk_head_dim
         if self.is_moe_layer(index):
-            mlp = self.topk * (h + 3 * self.moe_ffn_hidden) + 2 * self.num_experts
-            if self.shared_ffn_hidden:
-                mlp += h + 3 * self.shared_ffn_hidden
+            mlp = 2 * h + 2 * self.num_experts + self.topk * (2 * h + 3 * self.moe_ffn_hidden)
+            mlp += 3 * self.shared_ffn_hidden
         else:
-            mlp = h + 3 * self.ffn_hidden
+            mlp = 2 * h + 3 * self.ffn_hidden
         return attn + mlp
 
 

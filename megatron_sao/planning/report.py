@@ -7,7 +7,7 @@ from typing import Any
 from megatron_sao.config.schema import SaoConfig
 from megatron_sao.config.validate import data_parallel_size, expert_tensor_size
 from megatron_sao.planning.compute import ComputeEstimate
-from megatron_sao.planning.memory import MemoryPlan
+from megatron_sao.planning.memory import MemoryPlan, micro_batch_tokens
 from megatron_sao.planning.params import ModelCensus
 
 
@@ -49,7 +49,7 @@ def plan_text(recipe: str, config: SaoConfig, census: ModelCensus, memory: Memor
     p, layout, gpu = config.parallelism, memory.layout, memory.gpu
     launcher = config.launcher
     role = config.actor
-    mb_tokens = role.max_tokens_per_micro_batch or role.micro_batch_size * config.rollout.max_total_tokens
+    mb_tokens = micro_batch_tokens(config, role)
     engines = (f"engines {config.rollout.num_engines} x {layout.gpus_per_engine} GPUs ({layout.placement})"
                if layout.engine_gpus else "engines: none on GPUs")
     lines = [

@@ -162,6 +162,40 @@ def _shim_distributed_optimizer_param_types() -> None:
     cls._build_model_and_main_param_groups = classmethod(build_groups)
 
 
+def _shim_pos_emb_on_this_cp_rank() -> None:
+    """Under context parallelism the rotary embeddings are cut to this rank's two sequence chunks
+    by `rope_utils.get_pos_emb_on_this_cp_rank`, which builds its index with `pin_memory=True`
+    and `.cuda()`. The same slicing with the index on the embedding's device; replaced where the
+    rotary modules imported it by name."""
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary_pos_embedding
+    import megatron.core.models.common.embeddings.yarn_rotary_pos_embedding as yarn_rotary_pos_embedding
+
+    def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+def _shim_cuda_rng_state() -> None:
+    """Activation recomputation (`model.recompute_granularity` full or selective) runs through
+    `tensor_parallel.CheckpointFunction`, which saves the CPU and CUDA RNG states with each
+    checkpoint and restores them for the recomputation (`random._get_all_rng_states` /
+    `_set_all_rng_states`); the CUDA one does not exist on CPU. The CPU state is still saved and
+    restored; the CUDA state is an empty placeholder."""
+    import megatron.core.tensor_parallel.random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
 CPU_SHIMS: dict[str, Callable[[], None]] = {
     "current_device": _shim_current_device,
     "cuda_device_factories": _shim_cuda_device_factories,
@@ -169,6 +203,8 @@ CPU_SHIMS: dict[str, Callable[[], None]] = {
     "dispatcher_streams": _shim_dispatcher_streams,
     "grad_clip": _shim_grad_clip,
     "distributed_optimizer_param_types": _shim_distributed_optimizer_param_types,
+    "pos_emb_on_this_cp_rank": _shim_pos_emb_on_this_cp_rank,
+    "cuda_rng_state": _shim_cuda_rng_state,
 }
 
 

@@ -2,9 +2,13 @@
 
 A batch of finished trajectories (the rollout record: `[B, T]` padded rows with a boolean
 "real token" mask) becomes, on each data-parallel rank, a list of micro-batches in Megatron's
-conventions: `input_ids` / `position_ids` / `labels` of shape `[b, t]` and ONE causal attention
-mask `[1, 1, t, t]` (True = masked). Rows are right-padded, so under a causal mask no real token
-ever attends to padding: padding is kept out of every loss by `loss_mask` alone.
+conventions: `input_ids` / `position_ids` / `labels` of shape `[b, t]`, one trajectory per row
+(several trajectories per micro-batch are packed as rows, each right-padded to the micro-batch's
+length, not concatenated into one THD sequence). Attention is causal by the layers' mask type, so
+no mask tensor exists (a dense `[t, t]` mask would be 16 GiB at 128K tokens) and no real token
+ever attends to the padding after it: padding is kept out of every loss by `loss_mask` alone.
+Under context parallelism each row is cut into 2 x CP chunks (training/context_parallel.py), so
+padded lengths are multiples of 2 x CP (x TP under sequence parallelism).
 
 Variable lengths cost padding, so the plan
   1. spreads trajectories over data-parallel ranks by token count (longest first, each to the
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sao.models.outputs import causal_attention_mask, position_ids_for, shifted_labels
+from megatron_sao.models.outputs import position_ids_for, shifted_labels
 from megatron_sao.platform.device import compute_device
 from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
 from megatron_sao.rollout.trajectory_batch import collate_trajectories
@@ -49,7 +53,7 @@ class PackingConfig:
     max_tokens_per_micro_batch: int | None = None
     """Padded-token budget (rows x padded length) of one micro-batch."""
     pad_to_multiple_of: int = 1
-    """Padded lengths are multiples of this (tensor-parallel size under sequence parallelism)."""
+    """Padded lengths are multiples of this (2 x CP, times TP under sequence parallelism)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -126,11 +130,11 @@ def plan_micro_batches(lengths: Sequence[int], num_ranks: int, packing: PackingC
 def build_micro_batch(trajectories: Sequence[Trajectory], packing: PackingConfig, pad_token_id: int = 0) -> MicroBatch:
     """One micro-batch in Megatron's conventions plus the per-token training inputs.
 
-    Keys: `input_ids`, `position_ids`, `labels` ([b, t] int64), `attention_mask` ([1, 1, t, t]
-    bool, True = masked), `loss_mask` ([b, t] bool, action tokens), `token_mask` ([b, t] bool,
-    real tokens), `rollout_logprobs`, `rewards` ([b, t] float32), `policy_versions` ([b, t]
-    int64), `lengths`, `num_action_tokens` ([b] int64), `truncated` ([b] bool). An empty
-    `trajectories` gives a one-row padding micro-batch with no action token.
+    Keys: `input_ids`, `position_ids`, `labels` ([b, t] int64), `loss_mask` ([b, t] bool, action
+    tokens), `token_mask` ([b, t] bool, real tokens), `rollout_logprobs`, `rewards` ([b, t]
+    float32), `policy_versions` ([b, t] int64), `lengths`, `num_action_tokens` ([b] int64),
+    `truncated` ([b] bool). An empty `trajectories` gives a one-row padding micro-batch with no
+    action token.
     """
     if not trajectories:
         t = packing.padded(1)
@@ -153,7 +157,6 @@ def _finish(ids_bt: torch.Tensor, token_mask_bt: torch.Tensor, loss_mask_bt: tor
         "input_ids": ids_bt,
         "position_ids": position_ids_for(ids_bt),
         "labels": shifted_labels(ids_bt),
-        "attention_mask": causal_attention_mask(ids_bt.shape[1]),
         "loss_mask": loss_mask_bt,
         "token_mask": token_mask_bt,
         "rollout_logprobs": logprobs_bt.float(),

@@ -35,8 +35,10 @@ def run_forward_backward(
 
     Micro-batches may differ in shape when the model config has `variable_seq_lengths` (set by
     `models.build` under pipeline parallelism: stages then exchange shapes before activations)
-    or without pipeline parallelism; otherwise they must share one `[b, t]` shape.
+    or without pipeline parallelism; otherwise they must share one `[b, t]` shape. Under context
+    parallelism they hold this rank's share of each sequence (`context_parallel.model_batch`).
     """
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -70,7 +72,9 @@ def run_forward_backward(
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks,
         num_microbatches=len(micro_batches),
-        seq_length=seq_length,
+        # The schedule takes the whole sequence length and divides it by CP itself
+        # (schedules.get_tensor_shapes).
+        seq_length=seq_length * parallel_state.get_context_parallel_world_size(),
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
         collect_non_loss_data=loss_fn is None,

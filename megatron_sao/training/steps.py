@@ -2,7 +2,9 @@
 
 Every loss follows Megatron's per-token convention (training/forward_backward.py): it returns the
 SUM of its token losses, the number of tokens, and a vector of named sums for the metrics, which
-are added over micro-batches and data-parallel ranks here (ratios of sums, never means of means).
+are added over micro-batches and data- and context-parallel ranks here (ratios of sums, never
+means of means). Losses see `context_parallel.model_batch`es: this CP rank's positions, every
+per-token input position-aligned (`label_*`: the entry of the token predicted at that position).
 
 Numerical safety: after the backward, the loss sum and the gradient's squared norms (per
 parameter group, reduced over the world) are the same number on every rank; if any is not
@@ -21,15 +23,16 @@ import torch
 
 from megatron_sao.algo import dis_policy_loss, explained_variance_moments, ppo_clip_policy_loss, value_loss
 from megatron_sao.config.schema import AlgorithmConfig
-from megatron_sao.models.outputs import values_from_head
 from megatron_sao.platform.device import compute_device
 from megatron_sao.training.batches import MicroBatch
+from megatron_sao.training.context_parallel import cp_group, gather_sequence, model_batch
 from megatron_sao.training.forward_backward import broadcast_from_last_stage, run_forward_backward
 from megatron_sao.training.grad_norms import grad_sq_norms_by_group
-from megatron_sao.training.logits import token_logprobs_and_entropy
+from megatron_sao.training.logits import LabelOutputsRequest, label_outputs_processor
 from megatron_sao.training.optim import RoleOptimizer, optimizer_step, zero_grads
 
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+LossFn = Callable[[Any, MicroBatch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+ForwardFn = Callable[[torch.nn.Module, MicroBatch], Any]
 
 POLICY_SUMS = ("loss", "tokens", "masked_low", "masked_high", "entropy", "kl_k3", "ratio", "clipped",
                "logprob_abs_diff")
@@ -40,21 +43,35 @@ SFT_SUMS = ("loss", "tokens", "entropy")
 # ---- forward functions (one home: the trainer, tools and tests call these) -------------------
 
 def model_forward(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
-    """Actor logits `[b, t, v/tp]` or critic head output `[b, t, 1]` (hidden states on an
-    earlier pipeline stage)."""
-    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+    """Actor logits `[b, s, v/tp]` or critic head output `[b, s, 1]` (hidden states on an
+    earlier pipeline stage). Causal by the layers' mask type: no attention mask tensor."""
+    return model(batch["input_ids"], batch["position_ids"], None)
+
+
+def label_outputs_forward(temperature: float = 1.0, chunk_tokens: int | None = None) -> ForwardFn:
+    """The actor's `(logprobs_bs, entropy_bs)` per position (training/logits.py): logits computed
+    `chunk_tokens` at a time inside the model's post-processing, never all at once."""
+
+    def forward(model: torch.nn.Module, batch: MicroBatch) -> Any:
+        request = LabelOutputsRequest(batch["labels"], temperature, chunk_tokens)
+        return model(batch["input_ids"], batch["position_ids"], None, output_processor=label_outputs_processor,
+                     output_processor_context=request)
+
+    return forward
 
 
 def token_loss_forward(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
-    """The actor with Megatron's fused loss: `-log p(token t+1)` at each position t, `[b, t]`."""
-    return model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    """The actor with Megatron's fused loss: `-log p(labels[t])` at each position t, `[b, s]`."""
+    return model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"])
 
 
 # ---- metric sums -----------------------------------------------------------------------------
 
-def reduce_sums(outputs: Sequence[dict[str, torch.Tensor]], names: Sequence[str]) -> dict[str, float]:
-    """Add each micro-batch's `sums` over micro-batches and data-parallel ranks; every rank of
-    every pipeline stage gets the result (the loss lives on the last stage only)."""
+def reduce_sums(outputs: Sequence[dict[str, torch.Tensor]], names: Sequence[str],
+                replicated_over_cp: bool = False) -> dict[str, float]:
+    """Add each micro-batch's `sums` over micro-batches and data- and context-parallel ranks;
+    every rank of every pipeline stage gets the result (the loss lives on the last stage only).
+    `replicated_over_cp`: the sums are of whole sequences, the same on every CP rank (counted once)."""
     from megatron.core import parallel_state
 
     total = None
@@ -62,6 +79,8 @@ def reduce_sums(outputs: Sequence[dict[str, torch.Tensor]], names: Sequence[str]
         total = torch.zeros(len(names), dtype=torch.float64, device=compute_device())
         for out in outputs:
             total += out["sums"].to(torch.float64)
+        if replicated_over_cp and parallel_state.get_context_parallel_rank() != 0:
+            total.zero_()
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     total = broadcast_from_last_stage(total, (len(names),), dtype=torch.float64)
     return dict(zip(names, total.tolist(), strict=True))
@@ -75,18 +94,19 @@ def _sums(values: Sequence[torch.Tensor | float], device: torch.device) -> torch
 
 # ---- losses ----------------------------------------------------------------------------------
 
-def policy_loss_fn(algorithm: AlgorithmConfig, temperature: float) -> LossFn:
-    """DIS (against `rollout_logprobs`) or PPO clip (against `old_logprobs`) on `advantages`."""
+def policy_loss_fn(algorithm: AlgorithmConfig) -> LossFn:
+    """DIS (against `rollout_logprobs`) or PPO clip (against `old_logprobs`) on `advantages`; the
+    output is `label_outputs_forward`'s `(logprobs, entropy)`."""
 
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-        logprobs_bt, entropy_bt = token_logprobs_and_entropy(logits, mb["labels"], temperature)
-        mask_bt = mb["loss_mask"]
+    def loss_fn(outputs: tuple[torch.Tensor, torch.Tensor], mb: MicroBatch):
+        logprobs_bs, entropy_bs = outputs
+        mask_bs = mb["label_loss_mask"]
         if algorithm.policy_loss == "dis":
-            loss, stats = dis_policy_loss(logprobs_bt, mb["rollout_logprobs"], mb["advantages"], mask_bt,
+            loss, stats = dis_policy_loss(logprobs_bs, mb["label_rollout_logprobs"], mb["label_advantages"], mask_bs,
                                           algorithm.eps_low, algorithm.eps_high, num_tokens=1)
             low, high, clipped = stats["num_masked_low"], stats["num_masked_high"], 0.0
         else:
-            loss, stats = ppo_clip_policy_loss(logprobs_bt, mb["old_logprobs"], mb["advantages"], mask_bt,
+            loss, stats = ppo_clip_policy_loss(logprobs_bs, mb["label_old_logprobs"], mb["label_advantages"], mask_bs,
                                                algorithm.clip_low, algorithm.clip_high, num_tokens=1)
             low = high = 0.0
             clipped = stats["clip_frac"] * stats["num_action_tokens"]
@@ -96,26 +116,27 @@ def policy_loss_fn(algorithm: AlgorithmConfig, temperature: float) -> LossFn:
             return torch.where(count > 0, mean * count, 0.0)
 
         # |trainer - engine| log-prob of each action token, before this update (what R3 replay shrinks).
-        abs_diff = torch.where(mask_bt, (logprobs_bt.detach() - mb["rollout_logprobs"]).abs(), 0.0).sum()
-        sums = _sums([loss, count, low, high, torch.where(mask_bt, entropy_bt, 0.0).sum(), total(stats["kl_k3"]),
+        abs_diff = torch.where(mask_bs, (logprobs_bs.detach() - mb["label_rollout_logprobs"]).abs(), 0.0).sum()
+        sums = _sums([loss, count, low, high, torch.where(mask_bs, entropy_bs, 0.0).sum(), total(stats["kl_k3"]),
                       total(stats["ratio_mean"]), clipped, abs_diff], loss.device)
-        return loss, mask_bt.sum().to(torch.int), {"sums": sums}
+        return loss, mask_bs.sum().to(torch.int), {"sums": sums}
 
     return loss_fn
 
 
 def value_loss_fn(value_clip: float | None) -> LossFn:
-    """The critic's (optionally clipped) squared error against `returns` on action tokens."""
+    """The critic's (optionally clipped) squared error against `returns` on action tokens. The
+    head at position t is V(state before token t + 1): position-aligned like the targets."""
 
     def loss_fn(head: torch.Tensor, mb: MicroBatch):
-        values_bt = values_from_head(head)
-        mask_bt = mb["loss_mask"]
-        loss, stats = value_loss(values_bt, mb["returns"], mask_bt, old_values=mb["old_values"],
+        values_bs = head[..., 0].float()
+        mask_bs = mb["label_loss_mask"]
+        loss, stats = value_loss(values_bs, mb["label_returns"], mask_bs, old_values=mb["label_old_values"],
                                  clip_range=value_clip, num_tokens=1)
-        moments = explained_variance_moments(values_bt.detach(), mb["returns"], mask_bt)
+        moments = explained_variance_moments(values_bs.detach(), mb["label_returns"], mask_bs)
         count = stats["num_action_tokens"]
         sums = torch.cat([_sums([loss, count], loss.device), moments, _sums([stats["clip_frac"] * count], loss.device)])
-        return loss, mask_bt.sum().to(torch.int), {"sums": sums}
+        return loss, mask_bs.sum().to(torch.int), {"sums": sums}
 
     return loss_fn
 
@@ -123,12 +144,12 @@ def value_loss_fn(value_clip: float | None) -> LossFn:
 def sft_loss_fn() -> LossFn:
     """Cross-entropy of the action tokens (`loss_mask`): `-sum log p(token)`."""
 
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-        logprobs_bt, entropy_bt = token_logprobs_and_entropy(logits, mb["labels"])
-        mask_bt = mb["loss_mask"]
-        loss = -torch.where(mask_bt, logprobs_bt, 0.0).sum()
-        sums = _sums([loss, mask_bt.sum(), torch.where(mask_bt, entropy_bt, 0.0).sum()], loss.device)
-        return loss, mask_bt.sum().to(torch.int), {"sums": sums}
+    def loss_fn(outputs: tuple[torch.Tensor, torch.Tensor], mb: MicroBatch):
+        logprobs_bs, entropy_bs = outputs
+        mask_bs = mb["label_loss_mask"]
+        loss = -torch.where(mask_bs, logprobs_bs, 0.0).sum()
+        sums = _sums([loss, mask_bs.sum(), torch.where(mask_bs, entropy_bs, 0.0).sum()], loss.device)
+        return loss, mask_bs.sum().to(torch.int), {"sums": sums}
 
     return loss_fn
 
@@ -149,12 +170,18 @@ class RoleUpdate:
         return {group: math.sqrt(sq) if math.isfinite(sq) else sq for group, sq in self.group_sq_norms.items()}
 
 
+def model_batches(micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+    """This context-parallel rank's view of each micro-batch (`context_parallel.model_batch`)."""
+    group = cp_group()
+    return [model_batch(mb, group) for mb in micro_batches]
+
+
 def guarded_update(role: RoleOptimizer, micro_batches: list[MicroBatch], loss_fn: LossFn, names: Sequence[str],
-                   use_distributed_optimizer: bool, forward_fn: Callable[..., Any] = model_forward) -> RoleUpdate:
+                   use_distributed_optimizer: bool, forward_fn: ForwardFn = model_forward) -> RoleUpdate:
     """Forward + backward over `micro_batches`, then one optimizer step unless anything is
     non-finite on any rank (see the module docstring)."""
     zero_grads(role)
-    outputs = run_forward_backward(role.chunks, micro_batches, forward_fn, loss_fn)
+    outputs = run_forward_backward(role.chunks, model_batches(micro_batches), forward_fn, loss_fn)
     sums = reduce_sums(outputs, names)
     group_sq = grad_sq_norms_by_group(role.chunks, role.optimizer, use_distributed_optimizer)
     if not (math.isfinite(sums["loss"]) and all(math.isfinite(v) for v in group_sq.values())):
@@ -165,19 +192,27 @@ def guarded_update(role: RoleOptimizer, micro_batches: list[MicroBatch], loss_fn
 
 
 def forward_only(role: RoleOptimizer, micro_batches: list[MicroBatch],
-                 output_fn: Callable[[torch.Tensor, MicroBatch], Any],
-                 forward_fn: Callable[..., Any] = model_forward) -> list[Any]:
-    """`output_fn(output, micro_batch)` per micro-batch on the last pipeline stage (empty elsewhere),
-    in eval mode and without autograd."""
+                 output_fn: Callable[[Any, MicroBatch], Any], forward_fn: ForwardFn = model_forward) -> list[Any]:
+    """`output_fn(output, model batch)` per micro-batch on the last pipeline stage (empty
+    elsewhere), in eval mode and without autograd; outputs and model batches are this CP rank's."""
     for chunk in role.chunks:
         chunk.eval()
     try:
         with torch.no_grad():
-            return run_forward_backward(role.chunks, micro_batches, forward_fn, forward_only=True,
+            return run_forward_backward(role.chunks, model_batches(micro_batches), forward_fn, forward_only=True,
                                         output_fn=output_fn)
     finally:
         for chunk in role.chunks:
             chunk.train()
+
+
+def sequence_outputs(role: RoleOptimizer, micro_batches: list[MicroBatch],
+                     output_fn: Callable[[Any, MicroBatch], torch.Tensor],
+                     forward_fn: ForwardFn = model_forward) -> list[torch.Tensor]:
+    """`forward_only` whose per-micro-batch `[b, s_local, ...]` result is gathered over the
+    context-parallel group: whole sequences, position-aligned, on every CP rank of the last stage."""
+    group = cp_group()
+    return [gather_sequence(out, group) for out in forward_only(role, micro_batches, output_fn, forward_fn)]
 
 
 def all_ranks_agree(flag: bool) -> bool:

@@ -14,6 +14,9 @@ configured TP / PP / EP / DP layout, their optimizers and LR schedules. One `tra
      (`actor.routing_replay`, R3) the actor's forwards route every token to the experts the engine
      chose (training/routing_replay.py); rank 0 sends each rank only its part of the batch's
      routing (training/routing_shards.py). The critic routes itself.
+Context parallelism (CP > 1): every rank holds whole micro-batches; the model and the losses see
+this rank's two chunks of each sequence (training/context_parallel.py), and the critic's values
+are gathered back to whole trajectories for GAE.
 A non-finite loss or gradient skips the update on every rank and ends the step there (nothing
 downstream trains on NaN advantages); the step is counted in `train/skipped_steps`, and
 `run.max_consecutive_skipped_steps` in a row abort the run.
@@ -55,11 +58,11 @@ from megatron_sao.training.steps import (
     SFT_SUMS,
     VALUE_SUMS,
     all_ranks_agree,
-    forward_only,
     guarded_update,
-    model_forward,
+    label_outputs_forward,
     policy_loss_fn,
     reduce_sums,
+    sequence_outputs,
     sft_loss_fn,
     value_loss_fn,
 )
@@ -222,7 +225,8 @@ class SaoTrainer:
         """Values -> advantages and targets -> K critic updates. Returns (skipped, advantage rows
         by global trajectory index, last stage only)."""
         alg, critic_cfg = self.config.algorithm, self.config.critic
-        heads = forward_only(self.critic, batch.micro_batches, lambda out, mb: out.detach().float())
+        # Whole sequences on every CP rank: GAE runs over whole trajectories.
+        heads = sequence_outputs(self.critic, batch.micro_batches, lambda out, mb: out.detach().float())
         rows: dict[int, torch.Tensor] = {}
         finite = True
         value_sums = []
@@ -241,7 +245,7 @@ class SaoTrainer:
             for row, index in enumerate(batch.trajectory_indices[k]):
                 rows[index] = advantages_bt[row, : lengths[row]]
             value_sums.append({"sums": _value_phase_sums(values_bt, returns_bt, advantages_bt, mb["loss_mask"])})
-        phase = reduce_sums(value_sums, VALUE_PHASE_SUMS)
+        phase = reduce_sums(value_sums, VALUE_PHASE_SUMS, replicated_over_cp=True)
         if not all_ranks_agree(finite):
             return True, {}
         updates = []
@@ -272,14 +276,15 @@ class SaoTrainer:
                     mb["advantages"] = _advantages_for(mb, global_rows, adv_rows, trajectory_adv_b, self.is_last_stage)
         if self.mode == "rl" and alg.policy_loss == "ppo_clip":
             self._set_old_logprobs([b for b, _ in mini_batches], temperature)
-        loss_fn = policy_loss_fn(alg, temperature) if self.mode == "rl" else sft_loss_fn()
+        loss_fn = policy_loss_fn(alg) if self.mode == "rl" else sft_loss_fn()
         names = POLICY_SUMS if self.mode == "rl" else SFT_SUMS
+        forward = label_outputs_forward(temperature if self.mode == "rl" else 1.0, actor_cfg.logits_chunk_tokens)
         updates = []
         for batch, _ in mini_batches:
-            forward = self._replayed(_tracked_forward(self.router_load), count_agreement=True)
+            replayed = self._replayed(_tracked_forward(self.router_load, forward), count_agreement=True)
             try:
                 update = guarded_update(self.actor, batch.micro_batches, loss_fn, names,
-                                        actor_cfg.optim.use_distributed_optimizer, forward_fn=forward)
+                                        actor_cfg.optim.use_distributed_optimizer, forward_fn=replayed)
             finally:
                 self._release_replay()
             updates.append(update)
@@ -297,22 +302,22 @@ class SaoTrainer:
         return False
 
     def _set_old_logprobs(self, batches: list[RankBatch], temperature: float) -> None:
-        from megatron_sao.training.logits import token_logprobs_and_entropy
+        from megatron_sao.training.context_parallel import token_positions
 
         if self.config.algorithm.old_logprobs == "rollout":
             for batch in batches:
                 for mb in batch.micro_batches:
                     mb["old_logprobs"] = mb["rollout_logprobs"]
             return
+        forward = label_outputs_forward(temperature, self.config.actor.logits_chunk_tokens)
         for batch in batches:
             try:
-                logprobs = forward_only(self.actor, batch.micro_batches,
-                                        lambda out, mb: token_logprobs_and_entropy(out, mb["labels"], temperature)[0],
-                                        forward_fn=self._replayed(model_forward))
+                logprobs = sequence_outputs(self.actor, batch.micro_batches, lambda out, mb: out[0],
+                                            self._replayed(forward))
             finally:
                 self._release_replay()
-            for mb, logprobs_bt in zip(batch.micro_batches, logprobs, strict=False):
-                mb["old_logprobs"] = logprobs_bt
+            for mb, logprobs_bs in zip(batch.micro_batches, logprobs, strict=False):
+                mb["old_logprobs"] = token_positions(logprobs_bs)
 
     def _replayed(self, forward_fn: Any, count_agreement: bool = False) -> Any:
         """`forward_fn` replaying each micro-batch's engine routing (as is without replay)."""
@@ -414,10 +419,10 @@ def _advantages_for(mb: MicroBatch, global_rows: list[int], adv_rows: dict[int, 
     return out_bt
 
 
-def _tracked_forward(tracker: RouterLoadTracker):
-    def forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+def _tracked_forward(tracker: RouterLoadTracker, forward_fn):
+    def forward(model: torch.nn.Module, mb: MicroBatch):
         with tracker.tracking(mb["token_mask"]):
-            return model_forward(model, mb)
+            return forward_fn(model, mb)
 
     return forward
 

@@ -56,7 +56,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
-            "max_position_embeddings": 4096,
+            # 32K: recorded trajectories up to rollout.max_total_tokens=32768 train on the tiny recipe
+            # (RoPE has no position table: the weights are the same as with 4096).
+            "max_position_embeddings": 32768,
             "rope_theta": 10000.0,
             "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False,

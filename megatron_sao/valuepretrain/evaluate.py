@@ -114,13 +114,13 @@ def evaluate_heldout(critic: Any, trajectories: Sequence[Trajectory], packing: A
     from megatron_sao.algo import explained_variance_from_moments, explained_variance_moments, skip_observation_gae
     from megatron_sao.models.outputs import values_from_head
     from megatron_sao.training.batches import shard_batch
-    from megatron_sao.training.steps import forward_only, reduce_sums
+    from megatron_sao.training.steps import reduce_sums, sequence_outputs
 
     if num_bins < 1:
         raise ValueError(f"value_pretrain.calibration_bins must be >= 1, got {num_bins}")
     lo, hi = value_range
 
-    def output_fn(head: torch.Tensor, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def sums_of(head: torch.Tensor, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         values_bt = values_from_head(head).float()
         mask_bt = mb["loss_mask"]
         _, returns_bt = skip_observation_gae(mb["rewards"], values_bt, mask_bt, gamma=gamma, lam=1.0)
@@ -134,10 +134,12 @@ def evaluate_heldout(critic: Any, trajectories: Sequence[Trajectory], packing: A
         return {"sums": torch.cat([moments, (v - g).square().sum().reshape(1), counts, sum_v, sum_g])}
 
     batch = shard_batch(trajectories, dp_rank, dp_size, packing)
-    outputs = forward_only(critic, batch.micro_batches, output_fn)
+    # Whole sequences (gathered over context parallelism): the returns need whole trajectories.
+    heads = sequence_outputs(critic, batch.micro_batches, lambda out, mb: out.detach().float())
+    outputs = [sums_of(head, mb) for head, mb in zip(heads, batch.micro_batches, strict=False)]
     names = (["n", "r", "r2", "res", "res2", "sq"] + [f"count{i}" for i in range(num_bins)]
              + [f"v{i}" for i in range(num_bins)] + [f"g{i}" for i in range(num_bins)])
-    sums = reduce_sums(outputs, names)
+    sums = reduce_sums(outputs, names, replicated_over_cp=True)
     moments = torch.tensor([sums[k] for k in ("n", "r", "r2", "res", "res2")], dtype=torch.float64)
     edges = torch.linspace(lo, hi, num_bins + 1, dtype=torch.float64).tolist()
     bins = []

@@ -3,7 +3,8 @@
 A 4-layer Qwen3-MoE checkpoint (PP 2 x VPP 2 puts one layer in each of four model chunks) is
 imported in one layout and exported through a different one, on 2 gloo ranks: VPP -> CP and
 CP -> VPP, plus a VPP import exported through plain TP 2. Each export must be bit-identical to the
-source. The torch_dist checkpoints also carry the layout into the manifest.
+source; `verify` under CP 2 matches the HF logits. The torch_dist checkpoints also carry the layout
+into the manifest.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("layouts")
     hf = build_tiny_hf_checkpoint(root / "qwen3_moe_4l", family="qwen3_moe", dtype=torch.float32,
                                   num_hidden_layers=4)
-    case = FamilyCase(name="qwen3_moe", hf_dir=hf, work=root / "work", layouts=PAIRS, verify_layouts=[])
+    case = FamilyCase(name="qwen3_moe", hf_dir=hf, work=root / "work", layouts=PAIRS, verify_layouts=[CP])
     return {"case": case, "results": run_distributed(run_families, 2, [case], timeout_s=600)[0]["qwen3_moe"]}
 
 
@@ -40,6 +41,12 @@ def test_round_trip_through_layout_is_bit_identical(layout_runs, imported, expor
     ok(results[f"import/{name}"])
     ok(results[f"export/{name}"])
     assert differences(case.hf_dir, case.work / f"hf_{name}") == []
+
+
+def test_verify_runs_under_context_parallelism(layout_runs):
+    """Each CP rank computes its chunks of the prompt (the CPU attention implements CP); the
+    gathered logits match the HF model's."""
+    assert ok(layout_runs["results"][f"verify/{layout_name(CP)}"])["max_abs"] <= 1e-5
 
 
 def test_manifest_records_the_vpp_and_cp_layouts(layout_runs):

@@ -9,12 +9,12 @@ SEQ, BATCH = 16, 2
 
 
 def fixed_batch(vocab: int = 300) -> dict[str, torch.Tensor]:
-    from megatron_sao.models.outputs import causal_attention_mask, position_ids_for, shifted_labels
+    from megatron_sao.models.outputs import position_ids_for, shifted_labels
 
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
-    return {"input_ids": ids, "position_ids": position_ids_for(ids), "attention_mask": causal_attention_mask(SEQ),
-            "labels": shifted_labels(ids), "value_targets": torch.randn(BATCH, SEQ, generator=g)}
+    return {"input_ids": ids, "position_ids": position_ids_for(ids), "labels": shifted_labels(ids),
+            "value_targets": torch.randn(BATCH, SEQ, generator=g)}
 
 
 def _full_logits(chunks, batch):

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 def _gpu_actor_critic_step(hf_dir: str) -> dict:
     from megatron_sao.config import load_config
     from megatron_sao.models import build_model
-    from megatron_sao.models.outputs import causal_attention_mask, position_ids_for, values_from_head
+    from megatron_sao.models.outputs import position_ids_for, values_from_head
     from megatron_sao.platform import init_model_parallel
 
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "model.dtype=bfloat16", "parallelism.world_size=1"])
@@ -23,7 +23,7 @@ def _gpu_actor_critic_step(hf_dir: str) -> dict:
     ids = torch.randint(0, 300, (2, 64), device="cuda")
     for role in ("actor", "critic"):
         model = build_model(cfg, role).chunks[0].cuda()
-        y = model(ids, position_ids_for(ids), causal_attention_mask(64, device="cuda"))
+        y = model(ids, position_ids_for(ids), None)  # causal by the layers' mask type
         loss = (values_from_head(y) if role == "critic" else y.float()).pow(2).mean()
         loss.backward()
         out[role] = {"finite": bool(torch.isfinite(loss)), "device": str(y.device)}

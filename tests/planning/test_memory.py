@@ -58,9 +58,10 @@ def test_squeezed_onto_one_node_is_a_config_error() -> None:
 
 
 def test_squeezed_trainers_do_not_fit_and_name_the_term() -> None:
+    # 8 trainer GPUs instead of 32 (16 still fit now that logits are computed in chunks).
     plan, text = build_plan(str(RECIPES / "qwen3_30b_a3b_math_sao.yaml"),
-                            ["launcher.nnodes=3", "parallelism.world_size=16", "parallelism.expert=16",
-                             "rollout.num_engines=4"], "h100-80g")
+                            ["launcher.nnodes=2", "parallelism.world_size=8", "parallelism.expert=8",
+                             "rollout.num_engines=2"], "h100-80g")
     assert not plan["fits"]
     assert plan["largest_term"] == "actor_optimizer"
     assert "does not fit on h100-80g (largest term: actor_optimizer)" in text
@@ -115,8 +116,8 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_exit_codes(capfd: pytest.CaptureFixture[str]) -> None:
     recipe = str(RECIPES / "qwen3_30b_a3b_math_sao.yaml")
-    assert main(["plan", recipe, "parallelism.world_size=16", "parallelism.expert=16", "launcher.nnodes=3",
-                 "rollout.num_engines=4"]) == 1
+    assert main(["plan", recipe, "parallelism.world_size=8", "parallelism.expert=8", "launcher.nnodes=2",
+                 "rollout.num_engines=2"]) == 1
     assert main(["plan", recipe, "launcher.nnodes=1"]) == 2
     assert "sao plan: config error: parallelism.world_size = 32" in capfd.readouterr().err
 
@@ -125,3 +126,30 @@ def test_tiny_recipe_plans_without_a_checkpoint(tmp_path: Path) -> None:
     plan, _ = build_plan(str(RECIPES / "tiny_cpu.yaml"), [f"model.hf_path={tmp_path / 'none'}"])
     assert plan["params_total"] > 0 and plan["gpus"]["engine"] == 0
     assert not (tmp_path / "none").exists()
+
+
+def test_activations_are_linear_in_trajectory_length_and_split_by_cp() -> None:
+    """One trajectory per micro-batch: no [s, s] term (flash attention, no mask), logits in chunks."""
+    def activations(tokens: int, overrides: list[str] = ()) -> float:
+        return _terms([f"rollout.max_total_tokens={tokens}", "model.recompute_granularity=none", *overrides])[
+            "activations"]
+
+    a32, a64, a128 = activations(32768), activations(65536), activations(131072)
+    assert a128 - a64 == pytest.approx(2 * (a64 - a32), abs=2e-3)  # linear (the plan rounds to MiB)
+    # CP 4 -> CP 2 doubles every token a rank holds (logits too, when not chunked).
+    whole = ["actor.logits_chunk_tokens=null"]
+    cp2 = ["parallelism.context=2", "parallelism.world_size=16", "parallelism.expert=16", "launcher.nnodes=3",
+           "rollout.num_engines=4"]
+    assert activations(131072, [*whole, *cp2]) == pytest.approx(2 * activations(131072, whole), abs=2e-3)
+
+
+def test_a_trajectory_over_the_token_budget_is_planned_alone() -> None:
+    """training/batches.py gives a trajectory longer than max_tokens_per_micro_batch its own
+    micro-batch: the planner counts that micro-batch, not the budget."""
+    small_budget = _terms(["actor.max_tokens_per_micro_batch=1024", "critic.max_tokens_per_micro_batch=1024"])
+    assert small_budget["activations"] == pytest.approx(_terms([])["activations"], rel=1e-6)
+
+
+def test_logits_chunk_tokens_bounds_the_logit_term() -> None:
+    chunked, whole = _terms([]), _terms(["actor.logits_chunk_tokens=null"])
+    assert whole["activations"] > chunked["activations"] + 10  # 32K tokens x 76K vocab: > 10 GiB more

@@ -40,18 +40,47 @@ def _exercise_shims() -> dict:
     p.grad = torch.full((4,), 2.0)
     clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
     out["clipped_grad"] = p.grad.clone()
+
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    class CpRank1Of2:  # a CP group's size() / rank(), as the rotary embedding asks for them
+        def size(self) -> int:
+            return 2
+
+        def rank(self) -> int:
+            return 1
+
+    emb = torch.arange(8.0).view(8, 1, 1, 1)  # [s, 1, 1, d]: positions 0..7, 4 chunks of 2
+    out["cp_pos_emb"] = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, CpRank1Of2()).flatten()
+
+    from megatron.core.tensor_parallel import checkpoint
+
+    draws = []
+
+    def noisy(t):
+        draws.append(torch.rand(5))
+        return (t.sin() * draws[-1]).sum()
+
+    x = torch.randn(5, requires_grad=True)
+    checkpoint(noisy, False, x).backward()  # forward, then the recomputation in the backward
+    out["recompute_draws_equal"] = len(draws) == 2 and torch.equal(draws[0], draws[1])
+    out["recomputed_grad_ok"] = torch.allclose(x.grad, x.detach().cos() * draws[0])
     return out
 
 
 def test_shims_make_cuda_only_calls_work_on_cpu():
     (out,) = run_distributed(_exercise_shims, 1)
     assert set(out["applied"]) == {"current_device", "cuda_device_factories", "sequence_parallel_torch_norm",
-                                   "dispatcher_streams", "grad_clip", "distributed_optimizer_param_types"}
+                                   "dispatcher_streams", "grad_clip", "distributed_optimizer_param_types",
+                                   "pos_emb_on_this_cp_rank", "cuda_rng_state"}
     assert out["current_device"] == "cpu"
     assert out["mask_device"] == "cpu" and out["zeros_device"] == "cpu"
     assert out["norm_sp_tagged"] and out["norm_type"] == "RMSNorm"
     assert out["stream_ok"]
     torch.testing.assert_close(out["clipped_grad"], torch.full((4,), 2.0 / (4.0 + 1e-6)))
+    assert out["cp_pos_emb"].tolist() == [2.0, 3.0, 4.0, 5.0]  # CP rank 1 of 2: chunks 1 and 2
+    # Megatron's activation checkpoint restores the (CPU) RNG state for its recomputation.
+    assert out["recompute_draws_equal"] and out["recomputed_grad_ok"]
 
 
 def _no_shims_norm_fails() -> str:

@@ -47,7 +47,7 @@ def _micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
     """This DP rank's share of step `step`'s fixed global batch, as micro-batches."""
     from megatron.core import parallel_state as ps
 
-    from megatron_sao.models.outputs import causal_attention_mask, position_ids_for, shifted_labels
+    from megatron_sao.models.outputs import position_ids_for, shifted_labels
 
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, 300, (GLOBAL_BATCH, SEQ), generator=g)
@@ -57,7 +57,7 @@ def _micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     ids, targets = ids[mine], targets[mine]
     return [{"input_ids": ids[i:i + MICRO_BATCH], "position_ids": position_ids_for(ids[i:i + MICRO_BATCH]),
-             "attention_mask": causal_attention_mask(SEQ), "labels": shifted_labels(ids[i:i + MICRO_BATCH]),
+             "labels": shifted_labels(ids[i:i + MICRO_BATCH]),
              "value_targets": targets[i:i + MICRO_BATCH]} for i in range(0, per_rank, MICRO_BATCH)]
 
 
@@ -71,7 +71,7 @@ def train_steps(roles: dict[str, RoleOptimizer], first_step: int, num_steps: int
         for name, role in sorted(roles.items()):
             def forward_fn(model, b, name=name):
                 labels = b["labels"] if name == "actor" else None
-                return model(b["input_ids"], b["position_ids"], b["attention_mask"], labels=labels)
+                return model(b["input_ids"], b["position_ids"], None, labels=labels)
 
             def loss_fn(output, b, name=name):
                 loss = output.float() if name == "actor" else (values_from_head(output) - b["value_targets"]) ** 2

@@ -67,8 +67,7 @@ def test_micro_batch_in_megatron_conventions():
     mb = build_micro_batch(trajectories, PackingConfig(pad_to_multiple_of=8))
     b, t = mb["input_ids"].shape
     assert b == 3 and t % 8 == 0 and t >= max(len(x) for x in trajectories)
-    assert mb["attention_mask"].shape == (1, 1, t, t) and mb["attention_mask"].dtype == torch.bool
-    assert bool(mb["attention_mask"][0, 0, 0, 1]) and not bool(mb["attention_mask"][0, 0, 1, 0])  # True = masked
+    assert "attention_mask" not in mb  # causal by the layers' mask type: no [t, t] tensor
     assert torch.equal(mb["labels"][:, :-1], mb["input_ids"][:, 1:])
     for row, traj in enumerate(trajectories):
         n = len(traj)
@@ -88,3 +87,22 @@ def test_shard_batch_counts_global_tokens():
     assert len(shards[0].micro_batches) == len(shards[1].micro_batches)
     with pytest.raises(ValueError, match="at least one trajectory"):
         shard_batch([], 0, 1, PackingConfig())
+
+
+def test_model_batch_aligns_loss_inputs_to_the_position_that_predicts_them():
+    """Position t predicts labels[t] = token t + 1; its mask, rollout log-prob and targets are that
+    token's (training/context_parallel.py), and `token_positions` undoes the shift."""
+    from megatron_sao.training.context_parallel import model_batch, token_positions
+
+    trajectories = random_trajectories(3, seed=6)
+    mb = build_micro_batch(trajectories, PackingConfig(pad_to_multiple_of=4))
+    mb["advantages"] = torch.randn(mb["loss_mask"].shape)
+    local = model_batch(mb)  # CP = 1: the whole sequence
+    assert torch.equal(local["labels"][:, :-1], mb["input_ids"][:, 1:])
+    for key in ("loss_mask", "rollout_logprobs", "advantages"):
+        assert torch.equal(local[f"label_{key}"][:, :-1], mb[key][:, 1:]), key
+        assert not local[f"label_{key}"][:, -1].any(), key  # the last position predicts nothing
+        assert torch.equal(token_positions(local[f"label_{key}"]), torch.where(
+            torch.arange(mb[key].shape[1]) > 0, mb[key], torch.zeros_like(mb[key]))), key
+    assert torch.equal(local["token_mask"], mb["token_mask"])  # input-aligned (router load counts)
+    assert "returns" not in mb and "label_returns" not in local

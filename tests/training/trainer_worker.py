@@ -164,3 +164,37 @@ def critic_only_steps(hf_dir: str) -> dict[str, Any]:
     history = [trainer.train_step(trajectories) for _ in range(4)]
     return {"history": history, "roles": sorted(trainer.roles), "has_actor": trainer.actor is not None}
 
+
+def packed_cp_trajectories(seed: int = 3):
+    """8 mixed-length trajectories, the last 8x longer than the others' typical length."""
+    return random_trajectories(8, seed=seed, long_every=8, long_factor=8)
+
+
+def rl_and_sft_step(hf_dir: str, overrides: list[str], with_sft: bool = True) -> dict[str, Any]:
+    """One SAO step (K = 2) and, with `with_sft`, one SFT step (fresh trainers), on the packed
+    trajectories: metrics and whole parameters after each."""
+    trainer = build_trainer(hf_dir, overrides)
+    metrics = trainer.train_step(packed_cp_trajectories())
+    out = {"rl": {"metrics": metrics, "actor": full_parameters(trainer.actor.chunks),
+                  "critic": full_parameters(trainer.critic.chunks)}}
+    if with_sft:
+        sft = build_trainer(hf_dir, overrides, mode="sft")
+        metrics = sft.train_step(packed_cp_trajectories())
+        out["sft"] = {"metrics": metrics, "actor": full_parameters(sft.actor.chunks)}
+    return out
+
+
+def steps_across_checkpoint(hf_dir: str, overrides: list[str], first_step: int, num_steps: int,
+                            save_dir: str = "", load_dir: str = "") -> dict[str, Any]:
+    """Steps first_step + 1 .. first_step + num_steps (batch i: seed 30 + i), after loading
+    `load_dir` (an iter directory) if given, then a checkpoint into `save_dir` if given."""
+    from pathlib import Path
+
+    trainer = build_trainer(hf_dir, overrides)
+    if load_dir:
+        trainer.load_checkpoint(Path(load_dir))
+    history = [trainer.train_step(packed_cp_trajectories(seed=30 + i))
+               for i in range(first_step + 1, first_step + num_steps + 1)]
+    saved = str(trainer.save_checkpoint(Path(save_dir), final=True)) if save_dir else ""
+    return {"history": history, "saved": saved, "actor": full_parameters(trainer.actor.chunks),
+            "critic": full_parameters(trainer.critic.chunks)}
