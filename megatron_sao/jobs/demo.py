@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.rollout.envs.calc import CALC_TIERS, CalcTier
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class DemoPlan:
     teacher: Any = None
     """The SFT demonstration writer, `(sample, observations) -> action`; None: `calc.oracle_action`
     (`sao online` passes `calc_shift.mixed_oracle`, demonstrations in both styles)."""
+    calc_tiers: tuple[CalcTier, ...] | None = CALC_TIERS
+    """Difficulty tiers of the prompts (training, held-out, demonstrations): success depends on the
+    prompt, so the critic has something to predict; None: the original two-operand problems."""
 
 
 def _stage_config(config: SaoConfig, stage: str, **overrides: Any) -> SaoConfig:
@@ -79,11 +83,23 @@ def _prompt_files(base: Path, plan: DemoPlan, seed: int) -> tuple[Path, list[Any
     """Training prompts (JSONL) and held-out prompts no training prompt repeats."""
     from megatron_sao.rollout.envs.calc import generate_calc_samples, write_calc_dataset
 
-    train = write_calc_dataset(base / "train_prompts.jsonl", plan.num_train_prompts, seed)
-    seen = {s.metadata["expression"] for s in generate_calc_samples(plan.num_train_prompts, seed)}
-    candidates = generate_calc_samples(plan.num_heldout_prompts * 4, seed + 1_000_003)
+    tiers = plan.calc_tiers
+    train = write_calc_dataset(base / "train_prompts.jsonl", plan.num_train_prompts, seed, tiers=tiers)
+    seen = {s.metadata["expression"] for s in generate_calc_samples(plan.num_train_prompts, seed, tiers=tiers)}
+    candidates = generate_calc_samples(plan.num_heldout_prompts * 4, seed + 1_000_003, tiers=tiers)
     heldout = [s for s in candidates if s.metadata["expression"] not in seen][: plan.num_heldout_prompts]
     return train, heldout
+
+
+def write_prompts(path: Path, samples: list[Any]) -> Path:
+    """`samples` as a prompt dataset (JSONL, `datasets.load_prompts` reads it): the held-out
+    prompts that evaluation during training rolls out."""
+    with path.open("w", encoding="utf-8") as f:
+        for sample in samples:
+            row = {"id": sample.prompt_id, "prompt": sample.messages[-1]["content"], "answer": sample.answer,
+                   "metadata": sample.metadata}
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    return path
 
 
 def _demonstrations(config: SaoConfig, base: Path, plan: DemoPlan, seed: int) -> Path:
@@ -95,7 +111,7 @@ def _demonstrations(config: SaoConfig, base: Path, plan: DemoPlan, seed: int) ->
 
     path = base / "demonstrations.parquet"
     if not path.is_file():
-        samples = generate_calc_samples(plan.num_demonstrations, seed + 7)
+        samples = generate_calc_samples(plan.num_demonstrations, seed + 7, tiers=plan.calc_tiers)
         records = demonstrations(samples, make_calc(**config.rollout.environment_kwargs), plan.teacher or oracle_action,
                                  AutoTokenizer.from_pretrained(config.model.hf_path), config.rollout.max_turns)
         write_parquet(path, records)
@@ -144,9 +160,9 @@ def export_actor_rank(config: SaoConfig, out: str) -> None:
     replace_dir(staging, Path(out))
 
 
-def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path) -> float:
-    """Share of `samples` whose episode earns reward 1 with engines serving `hf_dir`, sampling at
-    `rollout.temperature` like the rollouts RL trains on."""
+def rollout_heldout(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path) -> list[Any]:
+    """One episode per sample with engines serving `hf_dir`, sampled at `rollout.temperature`
+    like the rollouts RL trains on; the trajectories in the order of `samples`."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -169,12 +185,27 @@ def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path)
             agent = AgentLoop(agent_loop_config_from(config), AutoTokenizer.from_pretrained(hf_dir), pool,
                               env_factory_from(config))
             try:
-                return await agent.run(samples)
+                return await asyncio.gather(*(agent.run_trajectory(s) for s in samples))
             finally:
                 await pool.close()
 
-        trajectories = asyncio.run(run())
-    return sum(t.total_reward >= 1.0 for t in trajectories) / len(samples)
+        return list(asyncio.run(run()))
+
+
+def success_by_tier(trajectories: list[Any]) -> dict[str, float]:
+    """Share of episodes that earn reward 1, overall (`all`) and per `metadata["tier"]`."""
+    groups: dict[str, list[bool]] = {"all": []}
+    for t in trajectories:
+        solved = t.total_reward >= 1.0
+        groups["all"].append(solved)
+        if "tier" in t.metadata:
+            groups.setdefault(str(t.metadata["tier"]), []).append(solved)
+    return {name: sum(v) / len(v) for name, v in sorted(groups.items()) if v}
+
+
+def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path) -> float:
+    """Share of `samples` whose episode earns reward 1 with engines serving `hf_dir`."""
+    return success_by_tier(rollout_heldout(config, hf_dir, samples, log_dir))["all"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,9 +271,13 @@ def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
     sao_hf = _export_actor(replace(rl, actor=replace(rl.actor, load=str(_latest(base / "sao")))), base / "sao_hf")
 
     _say(f"[5/5] held-out evaluation on {len(heldout)} prompts")
-    scores = {name: evaluate(rl, path, heldout, base / f"eval_{name}") for name, path in (("sft", sft_hf),
-                                                                                           ("sao", sao_hf))}
-    (base / "heldout.json").write_text(json.dumps({**scores, "num_prompts": len(heldout)}) + "\n")
+    by_tier = {name: success_by_tier(rollout_heldout(rl, path, heldout, base / f"eval_{name}"))
+               for name, path in (("sft", sft_hf), ("sao", sao_hf))}
+    scores = {name: tiers["all"] for name, tiers in by_tier.items()}
+    (base / "heldout.json").write_text(json.dumps({**scores, "num_prompts": len(heldout), "by_tier": by_tier}) + "\n")
+    if len(by_tier["sft"]) > 1:
+        _say("held-out success by tier: " + ", ".join(f"{tier} {by_tier['sft'][tier]:.2f}->{by_tier['sao'][tier]:.2f}"
+                                                      for tier in by_tier["sft"] if tier != "all"))
     report = write_report(base / "sao")
     _say(f"report: {report.page}")
     _say(f"held-out success: sft={scores['sft']:.3f} sao={scores['sao']:.3f} ({len(heldout)} prompts)")

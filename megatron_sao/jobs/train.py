@@ -81,6 +81,9 @@ def check_trajectory_source(config: SaoConfig, mode: str) -> None:
         if not Path(config.data.train_path).is_file():
             raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
                              "rolls out the prompts of data.train_path)")
+        if config.eval.every_n_steps and not Path(config.eval.prompts_path).is_file():
+            raise ValueError(f"eval.prompts_path={config.eval.prompts_path!r}: no such prompt file (eval.every_n_steps="
+                             f"{config.eval.every_n_steps} rolls out held-out prompts from it)")
     elif not config.data.trajectories_path:
         raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
     elif not Path(config.data.trajectories_path).is_file():

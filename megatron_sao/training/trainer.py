@@ -78,6 +78,8 @@ class TrainerState:
     consecutive_skipped_steps: int = 0
     trajectories_seen: int = 0
     tokens_seen: int = 0
+    ev_nan_steps: int = 0
+    """Steps whose critic explained variance was not reported (returns too flat to judge by)."""
 
 
 def _pad_multiple(config: SaoConfig) -> int:
@@ -219,7 +221,10 @@ class SaoTrainer:
             if not update.applied:
                 break
             self.state.critic_optimizer_steps += 1
-        metrics.update(critic_metrics(phase, updates, lr, self.state.critic_optimizer_steps))
+        metrics.update(critic_metrics(phase, updates, lr, self.state.critic_optimizer_steps,
+                                      critic_cfg.ev_min_return_var))
+        self.state.ev_nan_steps += int(math.isnan(metrics["critic/explained_variance"]))
+        metrics["critic/explained_variance_nan_steps"] = float(self.state.ev_nan_steps)
         return not updates[-1].applied, rows
 
     def _actor_phase(self, mini_batches: list[tuple[RankBatch, list[int]]], adv_rows: dict[int, torch.Tensor],
