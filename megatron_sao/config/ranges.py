@@ -88,6 +88,7 @@ RANGES: dict[str, Check] = {
     "eval.every_n_steps": _NON_NEGATIVE,
     "eval.num_prompts": _AT_LEAST_ONE,
     "logging.log_every": _AT_LEAST_ONE,
+    "logging.progress_interval_s": _NON_NEGATIVE,
     "checkpoint.save_every": _NON_NEGATIVE,
     "checkpoint.keep_last": _AT_LEAST_ONE,
     "launcher.nnodes": _AT_LEAST_ONE,

@@ -350,6 +350,10 @@ class LoggingConfig:
     """Log metrics every N actor steps."""
     param_table: bool = True
     """Print the trainable / frozen parameter table at start."""
+    progress_interval_s: float = 30.0
+    """Live progress of `sao train` / `sao demo` stages (step / total, reward, success, EV,
+    staleness, tokens/s, ETA): redrawn in place on a terminal at every step; in a log file or pipe
+    a plain line every this many seconds. 0: off."""
 
 
 @dataclass(kw_only=True)

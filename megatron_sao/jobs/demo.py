@@ -225,6 +225,7 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     from megatron_sao.jobs.train import run_train
     from megatron_sao.jobs.value_pretrain import run_pretrain
     from megatron_sao.models.build import prepare_hf_checkpoint
+    from megatron_sao.utils.progress import stage_progress
     from megatron_sao.valuepretrain.generate import run_generate
 
     seed = config.run.seed
@@ -251,7 +252,8 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
         "value_pretrain.samples_per_prompt": plan.value_samples_per_prompt, "critic.updates_per_actor_step": 1,
         "checkpoint.save_every": 0, "value_pretrain.eval_every": plan.value_steps, "launcher.ray": False})
     run_generate(value)
-    _check(run_pretrain(value))
+    with stage_progress(value, Path(value.run.output_dir) / value.run.name):
+        _check(run_pretrain(value))
     return Prepared(base, sft_hf, base / "value" / "checkpoints", train_prompts, heldout)
 
 

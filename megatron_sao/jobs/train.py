@@ -266,6 +266,7 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
     Returns (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.platform import run_distributed
+    from megatron_sao.utils.progress import stage_progress
     from megatron_sao.utils.run_logging import run_dir_of
 
     check_trajectory_source(config, mode)
@@ -286,7 +287,8 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
             return run_distributed(train_rank, trainer_world_size(config), config, str(run_dir), mode, resume_from,
                                    timeout_s=float("inf"))[0]
 
-    return drive(config, run_dir, launch)
+    with stage_progress(config, run_dir):
+        return drive(config, run_dir, launch)
 
 
 def _run_train_ray(config: SaoConfig, mode: Literal["rl", "sft"]) -> tuple[int, dict[str, Any], Path]:
@@ -324,4 +326,7 @@ def _run_train_ray(config: SaoConfig, mode: Literal["rl", "sft"]) -> tuple[int, 
             if started:
                 ray.shutdown()
 
-    return drive(config, run_dir, launch)
+    from megatron_sao.utils.progress import stage_progress
+
+    with stage_progress(config, run_dir):
+        return drive(config, run_dir, launch)
