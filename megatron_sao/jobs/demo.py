@@ -48,8 +48,10 @@ class DemoPlan:
     """The SFT demonstration writer, `(sample, observations) -> action`; None: `calc.oracle_action`
     (`sao online` passes `calc_shift.mixed_oracle`, demonstrations in both styles)."""
     calc_tiers: tuple[CalcTier, ...] | None = CALC_TIERS
-    """Difficulty tiers of the prompts (training, held-out, demonstrations): success depends on the
-    prompt, so the critic has something to predict; None: the original two-operand problems."""
+    """Difficulty tiers of the prompts (training, held-out): success depends on the prompt, so the
+    critic has something to predict; None: the original two-operand problems."""
+    demonstration_tiers: tuple[CalcTier, ...] | None = None
+    """Tiers of the SFT demonstrations (None: `calc_tiers`); fewer leaves the others to RL."""
 
 
 def _stage_config(config: SaoConfig, stage: str, **overrides: Any) -> SaoConfig:
@@ -111,7 +113,8 @@ def _demonstrations(config: SaoConfig, base: Path, plan: DemoPlan, seed: int) ->
 
     path = base / "demonstrations.parquet"
     if not path.is_file():
-        samples = generate_calc_samples(plan.num_demonstrations, seed + 7, tiers=plan.calc_tiers)
+        samples = generate_calc_samples(plan.num_demonstrations, seed + 7,
+                                        tiers=plan.demonstration_tiers or plan.calc_tiers)
         records = demonstrations(samples, make_calc(**config.rollout.environment_kwargs), plan.teacher or oracle_action,
                                  AutoTokenizer.from_pretrained(config.model.hf_path), config.rollout.max_turns)
         write_parquet(path, records)
@@ -257,6 +260,14 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     return Prepared(base, sft_hf, base / "value" / "checkpoints", train_prompts, heldout)
 
 
+def rl_stage_overrides(prepared: Prepared, plan: DemoPlan) -> dict[str, Any]:
+    """The SAO stage's settings on top of the recipe: actor from the SFT policy, critic from value
+    pretraining (so no critic-only warmup), prompts streamed to the engines (`sao study` runs its
+    variants from the same)."""
+    return {"model.hf_path": prepared.sft_hf, "critic.load": prepared.critic_checkpoints, "rollout.source": "engine",
+            "data.train_path": prepared.train_prompts, "critic.warmup_steps": 0, "launcher.ray": plan.ray}
+
+
 def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
     from megatron_sao.jobs.train import run_train
     from megatron_sao.reporting.report import write_report
@@ -266,9 +277,7 @@ def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
     base, sft_hf, heldout = prepared.base, prepared.sft_hf, prepared.heldout
 
     _say("[4/5] SAO RL through the asynchronous pipeline")
-    rl = _stage_config(config, "sao", **{"model.hf_path": sft_hf, "critic.load": prepared.critic_checkpoints,
-                                         "rollout.source": "engine", "data.train_path": prepared.train_prompts,
-                                         "critic.warmup_steps": 0, "launcher.ray": plan.ray})
+    rl = _stage_config(config, "sao", **rl_stage_overrides(prepared, plan))
     _check(run_train(rl))
     sao_hf = _export_actor(replace(rl, actor=replace(rl.actor, load=str(_latest(base / "sao")))), base / "sao_hf")
 

@@ -165,30 +165,36 @@ def make_calc(**kwargs: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class CalcTier:
-    """One shape of problem: `operands` numbers of exactly `digits` digits (1 digit: 0-9) joined by
-    operators drawn from `operators`."""
+    """One shape of problem: `operands` numbers of `min_digits` to `digits` digits (each count
+    equally likely; 1 digit: 0-9) joined by operators drawn from `operators`."""
 
     name: str
     operands: int
     digits: int
     operators: str
+    min_digits: int | None = None
+    """Fewest digits of an operand (None: exactly `digits`)."""
 
     def __post_init__(self) -> None:
-        if self.operands < 2 or self.digits < 1 or not self.operators or set(self.operators) - set("+-*"):
-            raise ValueError(f"CalcTier {self.name!r}: operands >= 2, digits >= 1, operators from '+-*'")
+        low = self.digits if self.min_digits is None else self.min_digits
+        if self.operands < 2 or not 1 <= low <= self.digits or not self.operators or set(self.operators) - set("+-*"):
+            raise ValueError(f"CalcTier {self.name!r}: operands >= 2, 1 <= min_digits <= digits, operators from '+-*'")
+
+    def _number(self, rng: random.Random) -> str:
+        digits = self.digits if self.min_digits is None else rng.randint(self.min_digits, self.digits)
+        return str(rng.randrange(0 if digits == 1 else 10 ** (digits - 1), 10**digits))
 
     def expression(self, rng: random.Random) -> str:
-        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
-        numbers = [str(rng.randrange(low, 10 ** self.digits)) for _ in range(self.operands)]
+        numbers = [self._number(rng) for _ in range(self.operands)]
         ops = [rng.choice(self.operators) for _ in range(self.operands - 1)]
         return numbers[0] + "".join(op + n for op, n in zip(ops, numbers[1:], strict=True))
 
 
 CALC_TIERS: tuple[CalcTier, ...] = (
-    CalcTier("t0_1digit", operands=2, digits=1, operators="+-"),      # 3+4: 3 characters to copy
-    CalcTier("t1_2digit", operands=2, digits=2, operators="+-*"),     # 23*47: 5
-    CalcTier("t2_3x2digit", operands=3, digits=2, operators="+-*"),   # 23*47+18: 8
-    CalcTier("t3_3x3digit", operands=3, digits=3, operators="+-*"),   # 123*456-789: 11
+    CalcTier("t0_2x1-2digit", operands=2, digits=2, min_digits=1, operators="+-"),  # 7+23: 3-5 characters to copy
+    CalcTier("t1_2x2digit", operands=2, digits=2, operators="+-*"),                 # 23*47: 5
+    CalcTier("t2_3x2digit", operands=3, digits=2, operators="+-*"),                 # 23*47+18: 8
+    CalcTier("t3_3x3digit", operands=3, digits=3, operators="+-*"),                 # 123*456-789: 11
 )
 """The embedded default's difficulty tiers, easiest first (drawn with equal probability)."""
 
