@@ -331,7 +331,8 @@ class SaoTrainer:
 
 # ---- helpers -------------------------------------------------------------------------------------
 
-VALUE_PHASE_SUMS = ("tokens", "ev_r", "ev_r2", "ev_res", "ev_res2", "value", "adv", "adv2")
+VALUE_PHASE_SUMS = ("tokens", "ev_r", "ev_r2", "ev_res", "ev_res2", "value", "adv", "adv2", "boot", "boot2",
+                    "adv_res")
 
 
 def _values(head_bt1: torch.Tensor) -> torch.Tensor:
@@ -347,7 +348,10 @@ def _value_phase_sums(values_bt: torch.Tensor, returns_bt: torch.Tensor, advanta
     moments = explained_variance_moments(values_bt, returns_bt, mask_bt)
     a = torch.where(mask_bt, advantages_bt.double(), 0.0)
     v = torch.where(mask_bt, values_bt.double(), 0.0)
-    return torch.cat([moments[:1], moments[1:], torch.stack([v.sum(), a.sum(), a.square().sum()])])
+    outcome = torch.where(mask_bt, returns_bt.double(), 0.0) - v  # R - V: the advantage without bootstrapping
+    boot = a - outcome  # what the critic's later values add to (or take from) it
+    return torch.cat([moments[:1], moments[1:], torch.stack([v.sum(), a.sum(), a.square().sum(), boot.sum(),
+                                                             boot.square().sum(), (a * outcome).sum()])])
 
 
 def _advantages_for(mb: MicroBatch, global_rows: list[int], adv_rows: dict[int, torch.Tensor],

@@ -38,6 +38,8 @@ def test_explained_variance_is_nan_for_a_constant_return_batch(tiny_hf_dir):
     assert math.isfinite(flat["actor/loss"]) and flat["train/step_skipped"] == 0.0
     assert math.isfinite(spread["critic/explained_variance"]) and spread["critic/return_var"] > 1e-3
     assert spread["critic/explained_variance_nan_steps"] == 1.0
+    # The length-adaptive policy lambda (< 1) mixes the critic's later values into the advantage.
+    assert spread["critic/advantage_bootstrap_std"] > 0 and -1 <= spread["critic/advantage_outcome_corr"] <= 1
 
 
 # The critic variant (NaN values, hence NaN advantages: the whole step skipped) is slow.
