@@ -189,6 +189,11 @@ class AlgorithmConfig:
     """alpha of the length-adaptive lambda."""
     lambda_critic: float = 1.0
     """GAE lambda for value targets."""
+    advantage_norm: Literal["none", "mean", "whiten"] = "none"
+    """Critic-based advantages (gae, step_level) of a batch before the actor sees them: as computed,
+    minus their mean over the batch's action tokens (`mean`), or also divided by their std
+    (`whiten`, as PPO implementations do). The paper does not say; docs/pipeline.md has the
+    measurements that chose the embedded default's setting."""
     bootstrap_truncated: bool = False
     """Bootstrap truncated trajectories from V at their end instead of treating them terminal."""
     group_size: int = 1

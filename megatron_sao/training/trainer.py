@@ -212,6 +212,7 @@ class SaoTrainer:
         phase = reduce_sums(value_sums, VALUE_PHASE_SUMS)
         if not all_ranks_agree(finite):
             return True, {}
+        rows = adv.normalize_advantage_rows(rows, phase["adv"], phase["adv2"], phase["tokens"], alg.advantage_norm)
         updates = []
         lr = _lr(self.critic)
         for _ in range(critic_cfg.updates_per_actor_step):
