@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_sao.jobs.report import add_report_parser
 
     add_report_parser(sub)
+    from megatron_sao.jobs.study import add_study_parser
+
+    add_study_parser(sub)
     return parser
 
 

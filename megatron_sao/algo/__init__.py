@@ -26,6 +26,7 @@ from megatron_sao.algo.value import (
     explained_variance,
     explained_variance_from_moments,
     explained_variance_moments,
+    return_variance_from_moments,
     value_loss,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "length_adaptive_lambda",
     "masked_fraction_by_staleness",
     "ppo_clip_policy_loss",
+    "return_variance_from_moments",
     "skip_observation_gae",
     "skip_observation_gae_reference",
     "staleness",

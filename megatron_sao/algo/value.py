@@ -93,12 +93,15 @@ def value_loss(
     return loss, stats
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor) -> float:
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor,
+                       min_return_var: float = 0.0) -> float:
     """`1 - Var(R - V) / Var(R)` over action tokens (population variances, float64).
 
     1 is a perfect critic, 0 one that only knows the mean return, negative one worse than that.
-    NaN when there are fewer than two action tokens or the returns do not vary (variance at most
-    1e-12 of their mean square, i.e. round-off).
+    NaN when there are fewer than two action tokens or the returns do not vary: variance at most
+    `min_return_var` (a batch whose returns are nearly all equal says nothing about the critic:
+    one failure among 31 successes gives any EV from -30 to 1), or at most 1e-12 of their mean
+    square (round-off of a constant).
     """
     check_mask(loss_mask)
     check_like_mask(values, "values", loss_mask)
@@ -110,7 +113,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, loss_mask: t
             return math.nan
         var_ret = float(ret.var(unbiased=False))
         var_resid = float(resid.var(unbiased=False))
-        return math.nan if _flat(var_ret, float(ret.square().mean())) else 1.0 - var_resid / var_ret
+        flat = _flat(var_ret, float(ret.square().mean()), min_return_var)
+        return math.nan if flat else 1.0 - var_resid / var_ret
 
 
 def explained_variance_moments(values: torch.Tensor, returns: torch.Tensor,
@@ -130,7 +134,7 @@ def explained_variance_moments(values: torch.Tensor, returns: torch.Tensor,
                             resid.square().sum()])
 
 
-def explained_variance_from_moments(moments: torch.Tensor) -> float:
+def explained_variance_from_moments(moments: torch.Tensor, min_return_var: float = 0.0) -> float:
     """Explained variance from (summed) `explained_variance_moments`; NaN as in `explained_variance`.
 
     Uses E[x^2] - E[x]^2 in float64, accurate while |mean| / std of the returns stays far below
@@ -143,7 +147,7 @@ def explained_variance_from_moments(moments: torch.Tensor) -> float:
         return math.nan
     var_ret = s2_ret / n - (s_ret / n) ** 2
     var_res = s2_res / n - (s_res / n) ** 2
-    return math.nan if _flat(var_ret, s2_ret / n) else 1.0 - var_res / var_ret
+    return math.nan if _flat(var_ret, s2_ret / n, min_return_var) else 1.0 - var_res / var_ret
 
 
 def _explained_variance_of_moments(moments: torch.Tensor) -> torch.Tensor:
@@ -156,6 +160,15 @@ def _explained_variance_of_moments(moments: torch.Tensor) -> torch.Tensor:
     return torch.where(defined, 1.0 - var_res / torch.where(defined, var_ret, 1.0), torch.nan)
 
 
-def _flat(var: float, mean_square: float) -> bool:
-    """Whether a variance is round-off of a constant (relative to the mean square), not spread."""
-    return var <= 1e-12 * mean_square
+def return_variance_from_moments(moments: torch.Tensor) -> float:
+    """Population variance of the returns summed in `explained_variance_moments` (NaN for n < 1)."""
+    n, s_ret, s2_ret = moments.to(torch.float64).tolist()[:3]
+    return max(s2_ret / n - (s_ret / n) ** 2, 0.0) if n >= 1 else math.nan
+
+
+def _flat(var: float, mean_square: float, min_return_var: float = 0.0) -> bool:
+    """Whether the returns are too flat to judge a critic by: variance at most `min_return_var`,
+    or round-off of a constant (relative to the mean square)."""
+    if min_return_var < 0:
+        raise ValueError(f"min_return_var must be >= 0, got {min_return_var}")
+    return var <= min_return_var or var <= 1e-12 * mean_square

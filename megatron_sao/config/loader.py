@@ -26,7 +26,7 @@ COMMAND_LINE = "command line"
 # Input paths written in a recipe are relative to that recipe file (so recipes work from any
 # working directory); on the command line they are relative to the working directory.
 RECIPE_RELATIVE_PATHS = ("model.hf_path", "data.train_path", "data.trajectories_path", "actor.load", "critic.load",
-                         "value_pretrain.corpus_dir")
+                         "value_pretrain.corpus_dir", "eval.prompts_path")
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:

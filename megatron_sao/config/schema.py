@@ -179,6 +179,11 @@ class CriticConfig(RoleConfig):
     """PPO-style value clipping range around rollout-time values (None: plain MSE)."""
     value_head_init_std: float = 0.02
     """Std of the value head's initialisation when the checkpoint has none."""
+    ev_min_return_var: float = 1e-3
+    """Diagnostics: `critic/explained_variance` is NaN (not reported; plots skip it, and
+    `critic/explained_variance_nan_steps` counts the steps) when the batch's return variance is at
+    most this: nearly constant returns say nothing about the critic (one failure among 31
+    successes makes any EV from -30 to 1). 0: only round-off of a constant."""
 
 
 @dataclass(kw_only=True)
@@ -203,6 +208,11 @@ class AlgorithmConfig:
     """alpha of the length-adaptive lambda."""
     lambda_critic: float = 1.0
     """GAE lambda for value targets."""
+    advantage_norm: Literal["none", "mean", "whiten"] = "none"
+    """Critic-based advantages (gae, step_level) of a batch before the actor sees them: as computed,
+    minus their mean over the batch's action tokens (`mean`), or also divided by their std
+    (`whiten`, as PPO implementations do). The paper does not say; docs/pipeline.md has the
+    measurements that chose the embedded default's setting."""
     bootstrap_truncated: bool = False
     """Bootstrap truncated trajectories from V at their end instead of treating them terminal."""
     group_size: int = 1
@@ -346,6 +356,22 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    """Evaluation during training (`rollout.source=engine`): held-out prompts rolled out on the run's
+    engines between batches while the training rollouts go on; logged as `eval/success`,
+    `eval/reward` (pipeline/evaluation.py)."""
+
+    every_n_steps: int = 0
+    """Evaluate after every N train steps (and before the first and after the last); 0: off. An
+    evaluation still running when the next is due makes that one skip."""
+    num_prompts: int = 64
+    """Held-out prompts per evaluation: the first N of `eval.prompts_path`, the same every time."""
+    prompts_path: str = ""
+    """Held-out prompt dataset (the schema of `data.train_path`); required when evaluating. In a
+    recipe, a relative path is relative to the recipe file."""
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     wandb_project: str = "megatron-sao"
     """wandb project."""
@@ -355,6 +381,10 @@ class LoggingConfig:
     """Log metrics every N actor steps."""
     param_table: bool = True
     """Print the trainable / frozen parameter table at start."""
+    progress_interval_s: float = 30.0
+    """Live progress of `sao train` / `sao demo` stages (step / total, reward, success, EV,
+    staleness, tokens/s, ETA): redrawn in place on a terminal at every step; in a log file or pipe
+    a plain line every this many seconds. 0: off."""
 
 
 @dataclass(kw_only=True)
@@ -460,6 +490,7 @@ class SaoConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.rollout.envs.calc import CALC_TIERS, CalcTier
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,11 @@ class DemoPlan:
     teacher: Any = None
     """The SFT demonstration writer, `(sample, observations) -> action`; None: `calc.oracle_action`
     (`sao online` passes `calc_shift.mixed_oracle`, demonstrations in both styles)."""
+    calc_tiers: tuple[CalcTier, ...] | None = CALC_TIERS
+    """Difficulty tiers of the prompts (training, held-out): success depends on the prompt, so the
+    critic has something to predict; None: the original two-operand problems."""
+    demonstration_tiers: tuple[CalcTier, ...] | None = None
+    """Tiers of the SFT demonstrations (None: `calc_tiers`); fewer leaves the others to RL."""
 
 
 def _stage_config(config: SaoConfig, stage: str, **overrides: Any) -> SaoConfig:
@@ -83,11 +89,23 @@ def _prompt_files(base: Path, plan: DemoPlan, seed: int) -> tuple[Path, list[Any
     """Training prompts (JSONL) and held-out prompts no training prompt repeats."""
     from megatron_sao.rollout.envs.calc import generate_calc_samples, write_calc_dataset
 
-    train = write_calc_dataset(base / "train_prompts.jsonl", plan.num_train_prompts, seed)
-    seen = {s.metadata["expression"] for s in generate_calc_samples(plan.num_train_prompts, seed)}
-    candidates = generate_calc_samples(plan.num_heldout_prompts * 4, seed + 1_000_003)
+    tiers = plan.calc_tiers
+    train = write_calc_dataset(base / "train_prompts.jsonl", plan.num_train_prompts, seed, tiers=tiers)
+    seen = {s.metadata["expression"] for s in generate_calc_samples(plan.num_train_prompts, seed, tiers=tiers)}
+    candidates = generate_calc_samples(plan.num_heldout_prompts * 4, seed + 1_000_003, tiers=tiers)
     heldout = [s for s in candidates if s.metadata["expression"] not in seen][: plan.num_heldout_prompts]
     return train, heldout
+
+
+def write_prompts(path: Path, samples: list[Any]) -> Path:
+    """`samples` as a prompt dataset (JSONL, `datasets.load_prompts` reads it): the held-out
+    prompts that evaluation during training rolls out."""
+    with path.open("w", encoding="utf-8") as f:
+        for sample in samples:
+            row = {"id": sample.prompt_id, "prompt": sample.messages[-1]["content"], "answer": sample.answer,
+                   "metadata": sample.metadata}
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    return path
 
 
 def _demonstrations(config: SaoConfig, base: Path, plan: DemoPlan, seed: int) -> Path:
@@ -99,7 +117,8 @@ def _demonstrations(config: SaoConfig, base: Path, plan: DemoPlan, seed: int) ->
 
     path = base / "demonstrations.parquet"
     if not path.is_file():
-        samples = generate_calc_samples(plan.num_demonstrations, seed + 7)
+        samples = generate_calc_samples(plan.num_demonstrations, seed + 7,
+                                        tiers=plan.demonstration_tiers or plan.calc_tiers)
         records = demonstrations(samples, make_calc(**config.rollout.environment_kwargs), plan.teacher or oracle_action,
                                  AutoTokenizer.from_pretrained(config.model.hf_path), config.rollout.max_turns)
         write_parquet(path, records)
@@ -148,9 +167,9 @@ def export_actor_rank(config: SaoConfig, out: str) -> None:
     replace_dir(staging, Path(out))
 
 
-def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path) -> float:
-    """Share of `samples` whose episode earns reward 1 with engines serving `hf_dir`, sampling at
-    `rollout.temperature` like the rollouts RL trains on."""
+def rollout_heldout(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path) -> list[Any]:
+    """One episode per sample with engines serving `hf_dir`, sampled at `rollout.temperature`
+    like the rollouts RL trains on; the trajectories in the order of `samples`."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -173,12 +192,27 @@ def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path)
             agent = AgentLoop(agent_loop_config_from(config, routing=False), AutoTokenizer.from_pretrained(hf_dir),
                               pool, env_factory_from(config))
             try:
-                return await agent.run(samples)
+                return await asyncio.gather(*(agent.run_trajectory(s) for s in samples))
             finally:
                 await pool.close()
 
-        trajectories = asyncio.run(run())
-    return sum(t.total_reward >= 1.0 for t in trajectories) / len(samples)
+        return list(asyncio.run(run()))
+
+
+def success_by_tier(trajectories: list[Any]) -> dict[str, float]:
+    """Share of episodes that earn reward 1, overall (`all`) and per `metadata["tier"]`."""
+    groups: dict[str, list[bool]] = {"all": []}
+    for t in trajectories:
+        solved = t.total_reward >= 1.0
+        groups["all"].append(solved)
+        if "tier" in t.metadata:
+            groups.setdefault(str(t.metadata["tier"]), []).append(solved)
+    return {name: sum(v) / len(v) for name, v in sorted(groups.items()) if v}
+
+
+def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path) -> float:
+    """Share of `samples` whose episode earns reward 1 with engines serving `hf_dir`."""
+    return success_by_tier(rollout_heldout(config, hf_dir, samples, log_dir))["all"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +233,7 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     from megatron_sao.jobs.train import run_train
     from megatron_sao.jobs.value_pretrain import run_pretrain
     from megatron_sao.models.build import prepare_hf_checkpoint
+    from megatron_sao.utils.progress import stage_progress
     from megatron_sao.valuepretrain.generate import run_generate
 
     seed = config.run.seed
@@ -226,8 +261,17 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
         "value_pretrain.samples_per_prompt": plan.value_samples_per_prompt, "critic.updates_per_actor_step": 1,
         "checkpoint.save_every": 0, "value_pretrain.eval_every": plan.value_steps, "launcher.ray": False})
     run_generate(value)
-    _check(run_pretrain(value))
+    with stage_progress(value, Path(value.run.output_dir) / value.run.name):
+        _check(run_pretrain(value))
     return Prepared(base, sft_hf, base / "value" / "checkpoints", train_prompts, heldout)
+
+
+def rl_stage_overrides(prepared: Prepared, plan: DemoPlan) -> dict[str, Any]:
+    """The SAO stage's settings on top of the recipe: actor from the SFT policy, critic from value
+    pretraining (so no critic-only warmup), prompts streamed to the engines (`sao study` runs its
+    variants from the same)."""
+    return {"model.hf_path": prepared.sft_hf, "critic.load": prepared.critic_checkpoints, "rollout.source": "engine",
+            "data.train_path": prepared.train_prompts, "critic.warmup_steps": 0, "launcher.ray": plan.ray}
 
 
 def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
@@ -239,16 +283,18 @@ def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
     base, sft_hf, heldout = prepared.base, prepared.sft_hf, prepared.heldout
 
     _say("[4/5] SAO RL through the asynchronous pipeline")
-    rl = _stage_config(config, "sao", **{"model.hf_path": sft_hf, "critic.load": prepared.critic_checkpoints,
-                                         "rollout.source": "engine", "data.train_path": prepared.train_prompts,
-                                         "critic.warmup_steps": 0, "launcher.ray": plan.ray})
+    rl = _stage_config(config, "sao", **rl_stage_overrides(prepared, plan))
     _check(run_train(rl))
     sao_hf = _export_actor(replace(rl, actor=replace(rl.actor, load=str(_latest(base / "sao")))), base / "sao_hf")
 
     _say(f"[5/5] held-out evaluation on {len(heldout)} prompts")
-    scores = {name: evaluate(rl, path, heldout, base / f"eval_{name}") for name, path in (("sft", sft_hf),
-                                                                                           ("sao", sao_hf))}
-    (base / "heldout.json").write_text(json.dumps({**scores, "num_prompts": len(heldout)}) + "\n")
+    by_tier = {name: success_by_tier(rollout_heldout(rl, path, heldout, base / f"eval_{name}"))
+               for name, path in (("sft", sft_hf), ("sao", sao_hf))}
+    scores = {name: tiers["all"] for name, tiers in by_tier.items()}
+    (base / "heldout.json").write_text(json.dumps({**scores, "num_prompts": len(heldout), "by_tier": by_tier}) + "\n")
+    if len(by_tier["sft"]) > 1:
+        _say("held-out success by tier: " + ", ".join(f"{tier} {by_tier['sft'][tier]:.2f}->{by_tier['sao'][tier]:.2f}"
+                                                      for tier in by_tier["sft"] if tier != "all"))
     report = write_report(base / "sao")
     _say(f"report: {report.page}")
     _say(f"held-out success: sft={scores['sft']:.3f} sao={scores['sao']:.3f} ({len(heldout)} prompts)")

@@ -81,6 +81,9 @@ def check_trajectory_source(config: SaoConfig, mode: str) -> None:
         if not Path(config.data.train_path).is_file():
             raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
                              "rolls out the prompts of data.train_path)")
+        if config.eval.every_n_steps and not Path(config.eval.prompts_path).is_file():
+            raise ValueError(f"eval.prompts_path={config.eval.prompts_path!r}: no such prompt file (eval.every_n_steps="
+                             f"{config.eval.every_n_steps} rolls out held-out prompts from it)")
     elif not config.data.trajectories_path:
         raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
     elif not Path(config.data.trajectories_path).is_file():
@@ -276,6 +279,7 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
     from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.jobs.preflight import check_train_job
     from megatron_sao.platform import run_distributed
+    from megatron_sao.utils.progress import stage_progress
     from megatron_sao.utils.run_logging import run_dir_of
 
     check_train_job(config, mode)
@@ -296,7 +300,8 @@ def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int
             return run_distributed(train_rank, trainer_world_size(config), config, str(run_dir), mode, resume_from,
                                    timeout_s=float("inf"))[0]
 
-    return drive(config, run_dir, launch)
+    with stage_progress(config, run_dir):
+        return drive(config, run_dir, launch)
 
 
 def _run_train_ray(config: SaoConfig, mode: Literal["rl", "sft"]) -> tuple[int, dict[str, Any], Path]:
@@ -334,4 +339,7 @@ def _run_train_ray(config: SaoConfig, mode: Literal["rl", "sft"]) -> tuple[int, 
             if started:
                 ray.shutdown()
 
-    return drive(config, run_dir, launch)
+    from megatron_sao.utils.progress import stage_progress
+
+    with stage_progress(config, run_dir):
+        return drive(config, run_dir, launch)

@@ -87,6 +87,8 @@ class EngineSource:
             urls = self.rollout.start()
             logger.info("rollout engines: %s", ", ".join(urls))
         self._sync(trainer, initial=True)
+        if self.rank0 and self.config.eval.every_n_steps:  # the starting policy, evaluated while RL starts
+            self.rollout.start_eval(trainer.state.step, trainer.state.actor_version)
 
     def next_batch(self, trainer: Any) -> list[Trajectory]:
         """`data.batch_size` ready trajectories, the same list on every rank; their routed experts
@@ -126,7 +128,25 @@ class EngineSource:
         return {**rollout, "time/wait_for_batch_s": self._wait_s,
                 "rollout/multi_version_frac": spans, "rollout/weight_sync_failures": float(self._sync_failures),
                 **self._take_sync_metrics(), "rollout/weight_version": float(self.synced_version),
-                "data/epoch": epoch}
+                "data/epoch": epoch, **self._evaluation(trainer)}
+
+    def _evaluation(self, trainer: Any) -> dict[str, float]:
+        """Rank 0, after the step's weight push: start the due evaluation of the new policy (it runs
+        on the engines beside the training rollouts) and return the metrics of any that finished.
+        The last step waits for the final policy's."""
+        from megatron_sao.pipeline.evaluation import FINAL_EVAL_WAIT_S
+
+        every = self.config.eval.every_n_steps
+        if not every:
+            return {}
+        step, version = trainer.state.step, trainer.state.actor_version
+        final = step >= self.config.run.total_steps
+        results = self.rollout.eval_results(FINAL_EVAL_WAIT_S if final else 0.0)  # final: let a running one end
+        if step % every == 0 or final:
+            self.rollout.start_eval(step, version)
+        if final:
+            results += self.rollout.eval_results(FINAL_EVAL_WAIT_S)
+        return results[-1] if results else {}
 
     def _sync(self, trainer: Any, initial: bool = False) -> None:
         """Collective: stream the actor into the engines that need it. Rank 0 decides (a due

@@ -4,7 +4,8 @@ loop, health watchdog) behind one interface, in trainer rank 0's process or in a
 `RolloutHost` builds and holds the three; `EngineSource` (trainer rank 0, the only trainer rank
 that talks to the rollout) calls it: `start`, `take` (a batch of ready trajectories), `suspend` /
 `resume` (colocated), `metrics`, `lagging_urls`, the weight-push calls (`healthy_clients`,
-`paused`, `run`, `set_weights`), `state_dict` / `load_state_dict` (checkpoints) and `stop`.
+`paused`, `run`, `set_weights`), `start_eval` / `eval_results` (evaluation during training,
+`pipeline/evaluation.py`), `state_dict` / `load_state_dict` (checkpoints) and `stop`.
 
 Without Ray (`launcher.ray=false`) rank 0 builds a `RolloutHost` itself: the agent loop runs on a
 thread of rank 0, as it always did. With `launcher.ray=true` it runs in a `RolloutActor` of its
@@ -76,7 +77,7 @@ class RolloutHost:
                                   staleness_check=p.staleness_check, stale_policy=p.stale_policy,
                                   max_buffered=p.max_buffered or 2 * c.data.batch_size,
                                   distinct_prompts=p.distinct_prompts, barrier=p.barrier)
-        env_factory = env_factory_from(c)
+        env_factory = self._eval_env_factory = env_factory_from(c)
         if p.barrier:  # each environment's reset waits for a permit of the round the trainer opened
             env_factory = round_gated(env_factory, self.buffer)
         engine_config = engine_config_from(c)
@@ -87,6 +88,9 @@ class RolloutHost:
             max_inflight_per_engine=c.rollout.max_inflight_per_engine, health_interval_s=p.engine_health_interval_s,
             health_timeout_s=p.engine_health_timeout_s, health_failures=p.engine_health_failures,
             make_supervisor=make_supervisor)
+        self._config = c
+        self.evaluator: Any = None
+        """Evaluation during training (`pipeline/evaluation.py`), built once the engines are up."""
 
     @property
     def num_prompts(self) -> int:
@@ -94,7 +98,20 @@ class RolloutHost:
 
     def start(self) -> list[str]:
         """Start the engines (healthy) and the agent loop; returns the engine URLs."""
-        return self.service.start()
+        from megatron_sao.pipeline.evaluation import make_evaluator
+
+        urls = self.service.start()
+        self.evaluator = make_evaluator(self._config, self.service.tokenizer, self.service.pool, self.service.submit,
+                                        self._eval_env_factory)
+        return urls
+
+    def start_eval(self, step: int, actor_version: int) -> bool:
+        """Start evaluating the current policy on the held-out prompts (False: one is running)."""
+        return self.evaluator.start(step, actor_version) if self.evaluator is not None else False
+
+    def eval_results(self, wait_s: float = 0.0) -> list[dict[str, float]]:
+        """Metrics of the evaluations finished since the last call (waiting up to `wait_s`)."""
+        return self.evaluator.finished(wait_s) if self.evaluator is not None else []
 
     def take(self, batch_size: int, actor_version: int, timeout_s: float) -> list[Any] | None:
         """`batch_size` ready trajectories, or None if none within `timeout_s`; raises if the
@@ -148,6 +165,8 @@ class RolloutHost:
         self.service.load_state_dict(state["rollout"])
 
     def stop(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.stop()
         self.service.stop()
 
 
@@ -281,6 +300,12 @@ class RemoteRollout:
 
     def metrics(self) -> dict[str, float]:
         return self._get(self.actor.metrics.remote())
+
+    def start_eval(self, step: int, actor_version: int) -> bool:
+        return self._get(self.actor.start_eval.remote(step, actor_version))
+
+    def eval_results(self, wait_s: float = 0.0) -> list[dict[str, float]]:
+        return self._get(self.actor.eval_results.remote(wait_s))
 
     def lagging_urls(self, version: str) -> list[str]:
         return self._get(self.actor.lagging_urls.remote(version))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -233,6 +234,10 @@ class RolloutService:
     def run(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:
         """Run `coro` on the rollout thread's loop (where the engine clients live) and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
+    def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
+        """Start `coro` on the rollout thread's loop without waiting (evaluation during training)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def metrics(self) -> dict[str, float]:
         """The accounting (cumulative) and what the engines do now."""

@@ -32,6 +32,9 @@ class Panel:
     """`stack`: stacked areas (fractions that add up to 1, e.g. the staleness histogram)."""
     caption: str = ""
     """What the curve shows and what to look for."""
+    x_key: str | None = None
+    """Draw against this metric of each row instead of its step (evaluation during training is
+    logged when it finishes, drawn at `eval/step`, the step whose policy it evaluated)."""
 
     def present_keys(self, logged: set[str]) -> list[str]:
         out = [k for k in self.keys if k in logged]
@@ -51,8 +54,13 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward", ("train/reward_mean",), ylabel="mean reward",
           caption="Mean total reward of each step's batch."),
-    Panel("success", "Success rate", pattern=r"success", ylabel="fraction",
+    Panel("success", "Success rate", pattern=r"^(?!eval/success(/|$)).*success", ylabel="fraction",
           caption="Trajectories (or held-out prompts) solved: terminal reward 1.0."),
+    Panel("heldout_eval", "Held-out evaluation during training", ("eval/success", "eval/reward"),
+          pattern=r"^eval/success/", ylabel="held-out", x_key="eval/step",
+          caption="Held-out prompts rolled out on the run's engines between batches (eval.every_n_steps, "
+                  "eval.num_prompts): share solved, mean reward, and success per difficulty tier when the "
+                  "prompts carry one; drawn at the step whose policy was evaluated."),
     Panel("response_length", "Response length", ("train/response_length_mean",), ylabel="tokens",
           caption="Mean tokens after the prompt (actions and observations)."),
     Panel("critic_ev", "Critic explained variance", ("critic/explained_variance",), ylabel="EV",
@@ -82,6 +90,17 @@ PANELS: tuple[Panel, ...] = (
 )
 
 
+def panel_points(panel: Panel, rows: dict[int, dict], key: str) -> tuple[list[float], list[float]]:
+    """(x, y) of `key` in `panel`: x is the row's step, or its `panel.x_key` value (rows without
+    one are left out)."""
+    steps, values = series(rows, key)
+    if panel.x_key is None:
+        return [float(s) for s in steps], values
+    x_of = dict(zip(*series(rows, panel.x_key), strict=True))
+    points = [(x_of[s], v) for s, v in zip(steps, values, strict=True) if s in x_of]
+    return [x for x, _ in points], [v for _, v in points]
+
+
 def draw_panel(panel: Panel, rows: dict[int, dict], keys: list[str], out: Path) -> Path:
     """Draw `keys` (all logged) of `panel` against `step` into `out` (PNG, headless Agg)."""
     import matplotlib
@@ -106,7 +125,7 @@ def draw_panel(panel: Panel, rows: dict[int, dict], keys: list[str], out: Path) 
             ax.stackplot(steps, columns, labels=labels, alpha=0.85)
     else:
         for key in keys:
-            steps, values = series(rows, key)
+            steps, values = panel_points(panel, rows, key)
             ax.plot(steps, values, label=key, linewidth=1.4, marker="." if len(steps) < 60 else None)
     ax.set_title(panel.title)
     ax.set_xlabel("step")

@@ -20,7 +20,7 @@ from megatron_sao.reporting.panels import PANELS, Panel, draw_panel
 from megatron_sao.utils.atomic import atomic_write_text
 
 PAGE_NAME = "index.html"
-SUMMARY_KEYS = ("train/reward_mean", "critic/explained_variance", "train/response_length_mean",
+SUMMARY_KEYS = ("train/reward_mean", "eval/success", "critic/explained_variance", "train/response_length_mean",
                 "actor/dis_masked_low_frac", "actor/dis_masked_high_frac", "staleness/mean", "perf/tokens_per_s")
 CSS = """
 body { font-family: sans-serif; margin: 24px auto; padding: 0 16px; max-width: 1400px; color: #222; background: #fff; }

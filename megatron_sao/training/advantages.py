@@ -99,3 +99,20 @@ def make_baseline(algorithm: AlgorithmConfig) -> RunningMeanBaseline | None:
     if algorithm.advantage != "running_mean":
         return None
     return RunningMeanBaseline(window=algorithm.running_mean_window, scope=algorithm.running_mean_scope)
+
+
+def normalize_advantage_rows(rows: dict[int, torch.Tensor], total: float, squares: float, count: float,
+                             mode: str, eps: float = 1e-6) -> dict[int, torch.Tensor]:
+    """`algorithm.advantage_norm` on a batch's advantage rows, given the sum, the sum of squares and
+    the number of the batch's action-token advantages (over every micro-batch and rank): `mean`
+    subtracts their mean, `whiten` also divides by their std. Positions off the action mask change
+    too; the losses never read them."""
+    if mode == "none" or count < 1:
+        return rows
+    if mode not in ("mean", "whiten"):
+        raise ValueError(f"algorithm.advantage_norm={mode!r}: expected none, mean or whiten")
+    mean = total / count
+    scale = 1.0
+    if mode == "whiten":
+        scale = 1.0 / (max(squares / count - mean * mean, 0.0) ** 0.5 + eps)
+    return {index: (row - mean) * scale for index, row in rows.items()}

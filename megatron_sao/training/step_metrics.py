@@ -11,7 +11,9 @@ Conventions: ratios are of sums over the global batch; with several updates per 
 critic's K, the actor's mini-batches) losses and grad norms are those of the FIRST update (the
 model as it was when the batch arrived, comparable across K) and `.../last` that of the last;
 `critic/explained_variance` is that of the values the advantages were computed from, before the
-critic trained on the batch.
+critic trained on the batch, and NaN when the batch's return variance (`critic/return_var`) is at
+most `critic.ev_min_return_var` (the trainer counts those steps in
+`critic/explained_variance_nan_steps`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_sao.algo import explained_variance_from_moments
+from megatron_sao.algo import explained_variance_from_moments, return_variance_from_moments
 from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
 from megatron_sao.training.steps import RoleUpdate
 
@@ -54,12 +56,14 @@ def _norms(prefix: str, updates: Sequence[RoleUpdate]) -> dict[str, float]:
 
 
 def critic_metrics(phase: dict[str, float], updates: Sequence[RoleUpdate], lr: float,
-                   optimizer_steps: int) -> dict[str, float]:
+                   optimizer_steps: int, min_return_var: float = 0.0) -> dict[str, float]:
     moments = torch.tensor([phase["tokens"], phase["ev_r"], phase["ev_r2"], phase["ev_res"], phase["ev_res2"]])
     tokens = phase["tokens"]
     adv_mean = _ratio(phase["adv"], tokens)
     out = {
-        "critic/explained_variance": explained_variance_from_moments(moments),
+        "critic/explained_variance": explained_variance_from_moments(moments, min_return_var),
+        "critic/return_var": return_variance_from_moments(moments),
+        **_bootstrap_metrics(phase),
         "critic/value_mean": _ratio(phase["value"], tokens),
         "critic/return_mean": _ratio(phase["ev_r"], tokens),
         "critic/advantage_mean": adv_mean,
@@ -75,6 +79,24 @@ def critic_metrics(phase: dict[str, float], updates: Sequence[RoleUpdate], lr: f
     out["critic/value_clip_frac"] = _ratio(first["clipped"], first["tokens"])
     out.update(_norms("critic", updates))
     return out
+
+
+def _bootstrap_metrics(phase: dict[str, float]) -> dict[str, float]:
+    """How much of the policy's advantage A comes from the critic's later values rather than the
+    outcome: with value targets R (lambda_critic = 1: the return), `advantage_bootstrap_std` is the
+    std of A - (R - V) over action tokens (0 when lambda_policy = 1) and `advantage_outcome_corr`
+    the correlation of A with R - V."""
+    n = phase["tokens"]
+    if not n:
+        return {}
+
+    def var(total: float, squares: float) -> float:
+        return max(squares / n - (total / n) ** 2, 0.0)
+
+    var_a, var_o = var(phase["adv"], phase["adv2"]), var(phase["ev_res"], phase["ev_res2"])
+    cov = phase["adv_res"] / n - (phase["adv"] / n) * (phase["ev_res"] / n)
+    return {"critic/advantage_bootstrap_std": math.sqrt(var(phase["boot"], phase["boot2"])),
+            "critic/advantage_outcome_corr": cov / math.sqrt(var_a * var_o) if var_a > 0 and var_o > 0 else math.nan}
 
 
 def actor_metrics(updates: Sequence[RoleUpdate], lr: float, policy_loss: str) -> dict[str, float]:

@@ -92,6 +92,8 @@ class TrainerState:
     consecutive_skipped_steps: int = 0
     trajectories_seen: int = 0
     tokens_seen: int = 0
+    ev_nan_steps: int = 0
+    """Steps whose critic explained variance was not reported (returns too flat to judge by)."""
 
 
 def _pad_multiple(config: SaoConfig) -> int:
@@ -248,6 +250,7 @@ class SaoTrainer:
         phase = reduce_sums(value_sums, VALUE_PHASE_SUMS, replicated_over_cp=True)
         if not all_ranks_agree(finite):
             return True, {}
+        rows = adv.normalize_advantage_rows(rows, phase["adv"], phase["adv2"], phase["tokens"], alg.advantage_norm)
         updates = []
         lr = _lr(self.critic)
         for _ in range(critic_cfg.updates_per_actor_step):
@@ -257,7 +260,10 @@ class SaoTrainer:
             if not update.applied:
                 break
             self.state.critic_optimizer_steps += 1
-        metrics.update(critic_metrics(phase, updates, lr, self.state.critic_optimizer_steps))
+        metrics.update(critic_metrics(phase, updates, lr, self.state.critic_optimizer_steps,
+                                      critic_cfg.ev_min_return_var))
+        self.state.ev_nan_steps += int(math.isnan(metrics["critic/explained_variance"]))
+        metrics["critic/explained_variance_nan_steps"] = float(self.state.ev_nan_steps)
         return not updates[-1].applied, rows
 
     def _actor_phase(self, trajectories: list[Trajectory], mini_batches: list[tuple[RankBatch, list[int]]],
@@ -385,7 +391,8 @@ class SaoTrainer:
 
 # ---- helpers -------------------------------------------------------------------------------------
 
-VALUE_PHASE_SUMS = ("tokens", "ev_r", "ev_r2", "ev_res", "ev_res2", "value", "adv", "adv2")
+VALUE_PHASE_SUMS = ("tokens", "ev_r", "ev_r2", "ev_res", "ev_res2", "value", "adv", "adv2", "boot", "boot2",
+                    "adv_res")
 
 
 def _values(head_bt1: torch.Tensor) -> torch.Tensor:
@@ -401,7 +408,10 @@ def _value_phase_sums(values_bt: torch.Tensor, returns_bt: torch.Tensor, advanta
     moments = explained_variance_moments(values_bt, returns_bt, mask_bt)
     a = torch.where(mask_bt, advantages_bt.double(), 0.0)
     v = torch.where(mask_bt, values_bt.double(), 0.0)
-    return torch.cat([moments[:1], moments[1:], torch.stack([v.sum(), a.sum(), a.square().sum()])])
+    outcome = torch.where(mask_bt, returns_bt.double(), 0.0) - v  # R - V: the advantage without bootstrapping
+    boot = a - outcome  # what the critic's later values add to (or take from) it
+    return torch.cat([moments[:1], moments[1:], torch.stack([v.sum(), a.sum(), a.square().sum(), boot.sum(),
+                                                             boot.square().sum(), (a * outcome).sum()])])
 
 
 def _advantages_for(mb: MicroBatch, global_rows: list[int], adv_rows: dict[int, torch.Tensor],

@@ -11,6 +11,7 @@ from megatron_sao.algo import (
     explained_variance,
     explained_variance_from_moments,
     explained_variance_moments,
+    return_variance_from_moments,
     value_loss,
 )
 
@@ -115,6 +116,25 @@ def test_explained_variance_is_nan_when_undefined() -> None:
     assert math.isnan(explained_variance(torch.zeros(1, 4), constant.float(), mask))
     assert math.isnan(explained_variance(torch.zeros(1, 4), torch.randn(1, 4), torch.zeros(1, 4, dtype=torch.bool)))
     assert math.isnan(explained_variance_from_moments(explained_variance_moments(constant, constant, mask)))
+
+
+def test_explained_variance_is_nan_below_the_return_variance_threshold() -> None:
+    """31 returns of 1.0 and one of 0.9 (variance 3e-4): the critic's EV would be any number
+    (here about -30 for values that miss by +-0.1); with a threshold above that variance it is NaN,
+    and a batch with real spread is still reported."""
+    mask = torch.ones(32, 1, dtype=torch.bool)
+    returns = torch.ones(32, 1, dtype=torch.float64)
+    returns[0] = 0.9
+    values = returns + 0.1 * torch.tensor([(-1.0) ** i for i in range(32)], dtype=torch.float64)[:, None]
+    moments = explained_variance_moments(values, returns, mask)
+    assert explained_variance_from_moments(moments) < -20
+    assert math.isnan(explained_variance_from_moments(moments, min_return_var=1e-3))
+    assert math.isnan(explained_variance(values, returns, mask, min_return_var=1e-3))
+    assert return_variance_from_moments(moments) == pytest.approx(31 / 32**2 * 0.01)
+    spread = torch.linspace(0, 1, 32, dtype=torch.float64)[:, None]
+    assert explained_variance(spread, spread, mask, min_return_var=1e-3) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="min_return_var"):
+        explained_variance(spread, spread, mask, min_return_var=-1.0)
 
 
 def test_moments_summed_over_micro_batches_give_the_batch_explained_variance() -> None:

@@ -39,6 +39,8 @@ def _metrics_row(step: int, rng: random.Random) -> dict:
         "time/wait_for_batch_s": 0.2, "rollout/started": 20 * step, "rollout/completed": 16 * step - 2,
         "rollout/failed": 2.0, "rollout/in_flight": 4 * step,
     }
+    if step % 10 == 0:  # an evaluation during training of the policy after step - 5, logged when it finished
+        row.update({"eval/success": 0.3 + step / 100, "eval/reward": 0.5 + step / 200, "eval/step": step - 5})
     if step <= 3:
         for key in [k for k in row if k.startswith("actor/")]:
             del row[key]  # critic warmup: no actor keys
@@ -222,6 +224,21 @@ def test_not_logged_panels_and_keys_are_named_and_old_figures_removed(tmp_path: 
     report = write_report(run)
     assert report.not_logged == ["Rollout accounting"]
     assert (run / "report" / "success.png").is_file() and not (run / "report" / "rollout.png").exists()
+
+
+def test_evaluation_during_training_is_drawn_at_the_step_it_evaluated(tmp_path: Path) -> None:
+    from megatron_sao.reporting.metrics import read_metrics
+    from megatron_sao.reporting.panels import panel_points
+
+    run = _run_dir(tmp_path)
+    rows = read_metrics(run / "metrics.jsonl")
+    (heldout,) = [p for p in PANELS if p.name == "heldout_eval"]
+    assert panel_points(heldout, rows, "eval/success") == ([5.0, 15.0, 25.0], [0.4, 0.5, 0.6])
+    (success,) = [p for p in PANELS if p.name == "success"]
+    assert success.present_keys({"eval/success", "eval/success/t0", "train/success_rate", "eval/success_rate"}) == \
+        ["eval/success_rate", "train/success_rate"]  # held-out success has its own panel
+    text = write_report(run).page.read_text()
+    assert (run / "report" / "heldout_eval.png").is_file() and "<td>eval/success</td>" in text
 
 
 def test_a_single_step_run_renders(tmp_path: Path) -> None:

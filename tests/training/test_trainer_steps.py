@@ -29,6 +29,19 @@ def test_k_critic_updates_warmup_and_frozen_attention(tiny_hf_dir):
     assert all(m["critic/grad_norm/attention"] == 0.0 for m in history)
 
 
+def test_explained_variance_is_nan_for_a_constant_return_batch(tiny_hf_dir):
+    """Every return 1.0: no EV (NaN, counted), the step still trains; the next batch, with spread
+    returns, is reported and the count stays."""
+    flat, spread = run_distributed(trainer_worker.constant_return_steps, 1, str(tiny_hf_dir))[0]
+    assert math.isnan(flat["critic/explained_variance"]) and flat["critic/return_var"] == pytest.approx(0.0, abs=1e-9)
+    assert flat["critic/explained_variance_nan_steps"] == 1.0
+    assert math.isfinite(flat["actor/loss"]) and flat["train/step_skipped"] == 0.0
+    assert math.isfinite(spread["critic/explained_variance"]) and spread["critic/return_var"] > 1e-3
+    assert spread["critic/explained_variance_nan_steps"] == 1.0
+    # The length-adaptive policy lambda (< 1) mixes the critic's later values into the advantage.
+    assert spread["critic/advantage_bootstrap_std"] > 0 and -1 <= spread["critic/advantage_outcome_corr"] <= 1
+
+
 # The critic variant (NaN values, hence NaN advantages: the whole step skipped) is slow.
 @pytest.mark.parametrize("role", ["actor", pytest.param("critic", marks=pytest.mark.slow)])
 def test_nan_on_one_rank_skips_the_step_everywhere(tiny_hf_dir, role):

@@ -81,6 +81,14 @@ def warmup_and_frozen(hf_dir: str) -> dict[str, Any]:
     }
 
 
+def constant_return_steps(hf_dir: str) -> list[dict[str, float]]:
+    """A step on a batch whose every return is 1.0, then one on a batch with spread returns."""
+    trainer = build_trainer(hf_dir, ["critic.ev_min_return_var=1e-3"])
+    flat = trainer.train_step(random_trajectories(6, seed=7, constant_reward=1.0))
+    spread = trainer.train_step(random_trajectories(6, seed=8))
+    return [flat, spread]
+
+
 def inject_nan(hf_dir: str, role: str, nan_rank: int) -> dict[str, Any]:
     """A NaN in `role`'s forward output on rank `nan_rank` only, for the first step."""
     import torch.distributed as dist

@@ -13,9 +13,11 @@ from megatron_sao.rollout.trajectory import FinishType, RewardKind, Trajectory, 
 
 
 def random_trajectories(num: int, seed: int = 0, vocab: int = 256, lengths: tuple[int, int] = (12, 40),
-                        long_every: int = 0, long_factor: int = 4, group_size: int = 1) -> list[Trajectory]:
+                        long_every: int = 0, long_factor: int = 4, group_size: int = 1,
+                        constant_reward: float | None = None) -> list[Trajectory]:
     """`num` trajectories (`group_size` consecutive ones share a prompt id); every `long_every`-th
-    is about `long_factor` times longer (a long tail)."""
+    is about `long_factor` times longer (a long tail). `constant_reward`: every trajectory gets
+    exactly this terminal reward and no turn reward (every return equal)."""
     rng = random.Random(seed)
     base_logp = -math.log(vocab)
     out = []
@@ -33,11 +35,12 @@ def random_trajectories(num: int, seed: int = 0, vocab: int = 256, lengths: tupl
             traj.append_action([rng.randrange(vocab) for _ in range(n_act)],
                                [base_logp + rng.uniform(-0.3, 0.3) for _ in range(n_act)], [0] * n_act,
                                FinishType.STOP)
-            if rng.random() < 0.3:
+            if rng.random() < 0.3 and constant_reward is None:
                 traj.add_reward(0.1, RewardKind.TURN)
             if turn < num_turns - 1:
                 traj.append_observation([rng.randrange(vocab) for _ in range(max(1, budget // (2 * num_turns)))])
-        traj.add_reward(float(rng.random() < 0.5), RewardKind.TERMINAL)
+        success = float(rng.random() < 0.5)
+        traj.add_reward(success if constant_reward is None else constant_reward, RewardKind.TERMINAL)
         traj.finish(TrajectoryStatus.TRUNCATED if rng.random() < 0.2 else TrajectoryStatus.COMPLETED)
         traj.validate()
         out.append(traj)

@@ -18,6 +18,13 @@ varying signal (weights sum to 1; the scripted oracle gets exactly 1.0):
 
 Answering correctly without the tool earns 0.8, so the optimum needs the call.
 
+Difficulty tiers (`CALC_TIERS`, `generate_calc_samples(..., tiers=...)`): problems of several
+shapes (operand count, digit count, operators), each tagged `metadata["tier"]`. A tiny policy
+copies short expressions almost always right and long ones often wrong, so success depends on
+the prompt and a critic has something to predict from it (the embedded default's demo trains on
+the tiered mix; docs/pipeline.md has the measured success per tier). Without `tiers` the
+problems are the original two-operand ones (`max_digits`, `operators`).
+
 Turn limits: this environment ends (and scores) the episode itself after `max_turns` assistant
 turns (`StepResult.truncated`, reason "max_turns": the loop records it TRUNCATED with this
 environment's graded reward), so set the agent loop's `max_turns` at least as high. The
@@ -156,20 +163,65 @@ def make_calc(**kwargs: Any) -> Any:
     return lambda sample: CalcEnv(config)
 
 
-def generate_calc_samples(num_samples: int, seed: int, *, max_digits: int = 2,
-                          operators: str = "+-*") -> list[PromptSample]:
-    """`num_samples` problems, a pure function of the arguments (same seed, same problems)."""
+@dataclass(frozen=True, slots=True)
+class CalcTier:
+    """One shape of problem: `operands` numbers of `min_digits` to `digits` digits (each count
+    equally likely; 1 digit: 0-9) joined by operators drawn from `operators`."""
+
+    name: str
+    operands: int
+    digits: int
+    operators: str
+    min_digits: int | None = None
+    """Fewest digits of an operand (None: exactly `digits`)."""
+
+    def __post_init__(self) -> None:
+        low = self.digits if self.min_digits is None else self.min_digits
+        if self.operands < 2 or not 1 <= low <= self.digits or not self.operators or set(self.operators) - set("+-*"):
+            raise ValueError(f"CalcTier {self.name!r}: operands >= 2, 1 <= min_digits <= digits, operators from '+-*'")
+
+    def _number(self, rng: random.Random) -> str:
+        digits = self.digits if self.min_digits is None else rng.randint(self.min_digits, self.digits)
+        return str(rng.randrange(0 if digits == 1 else 10 ** (digits - 1), 10**digits))
+
+    def expression(self, rng: random.Random) -> str:
+        numbers = [self._number(rng) for _ in range(self.operands)]
+        ops = [rng.choice(self.operators) for _ in range(self.operands - 1)]
+        return numbers[0] + "".join(op + n for op, n in zip(ops, numbers[1:], strict=True))
+
+
+CALC_TIERS: tuple[CalcTier, ...] = (
+    CalcTier("t0_2x1-2digit", operands=2, digits=2, min_digits=1, operators="+-"),  # 7+23: 3-5 characters to copy
+    CalcTier("t1_2x2digit", operands=2, digits=2, operators="+-*"),                 # 23*47: 5
+    CalcTier("t2_3x2digit", operands=3, digits=2, operators="+-*"),                 # 23*47+18: 8
+    CalcTier("t3_3x3digit", operands=3, digits=3, operators="+-*"),                 # 123*456-789: 11
+)
+"""The embedded default's difficulty tiers, easiest first (drawn with equal probability)."""
+
+
+def generate_calc_samples(num_samples: int, seed: int, *, max_digits: int = 2, operators: str = "+-*",
+                          tiers: tuple[CalcTier, ...] | None = None) -> list[PromptSample]:
+    """`num_samples` problems, a pure function of the arguments (same seed, same problems). With
+    `tiers`, each problem's tier is drawn uniformly and recorded in `metadata["tier"]`."""
     if num_samples < 0 or max_digits < 1 or not operators or set(operators) - set("+-*"):
         raise ValueError("generate_calc_samples: num_samples >= 0, max_digits >= 1, operators from '+-*'")
+    if tiers is not None and not tiers:
+        raise ValueError("generate_calc_samples: tiers must name at least one CalcTier (or be None)")
     rng = random.Random(seed)
     samples = []
     for i in range(num_samples):
-        a, b = (rng.randrange(10 ** rng.randint(1, max_digits)) for _ in range(2))
-        expression = f"{a}{rng.choice(operators)}{b}"
+        metadata: dict[str, Any] = {}
+        if tiers is None:
+            a, b = (rng.randrange(10 ** rng.randint(1, max_digits)) for _ in range(2))
+            expression = f"{a}{rng.choice(operators)}{b}"
+        else:
+            tier = tiers[rng.randrange(len(tiers))]
+            expression = tier.expression(rng)
+            metadata["tier"] = tier.name
         value = evaluate_expression(expression)
         assert value is not None, expression
         samples.append(PromptSample(prompt_id=f"calc-{seed}-{i}", messages=[{"role": "user", "content": expression}],
-                                    answer=str(value), metadata={"expression": expression}))
+                                    answer=str(value), metadata={"expression": expression, **metadata}))
     return samples
 
 
