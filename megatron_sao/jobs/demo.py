@@ -229,10 +229,10 @@ class Prepared:
 def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     """Stages 1-3 of the demo (model, conversion, SFT, value pretraining), each skipped when its
     output exists: `sao demo` and `sao online` start RL from here."""
-    from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint
     from megatron_sao.jobs.train import run_train
     from megatron_sao.jobs.value_pretrain import run_pretrain
     from megatron_sao.models.build import prepare_hf_checkpoint
+    from megatron_sao.models.hf_files import inspect_hf_checkpoint
     from megatron_sao.utils.progress import stage_progress
     from megatron_sao.valuepretrain.generate import run_generate
 
