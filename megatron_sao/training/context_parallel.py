@@ -21,13 +21,12 @@ context-parallel group (`finalize_model_grads`, `calculate_per_token_loss`) and 
 the replicated parameters over the same group (DDP), so the step equals the CP = 1 step. Metric
 sums are added over that group too (`steps.reduce_sums`).
 
-`gather_sequence` (platform/context_parallel.py, with `split_sequence`) is the inverse cut, for outputs that whole-trajectory computations need (the
-critic's values for GAE, recomputed log-probs): all-gathered over the CP group, back in sequence
-order. Values are one float per token, so every CP rank gathers all of them and runs GAE on the
-whole trajectory (O(T) floats per rank, nothing next to the activations): exchanging only the
-values at action/observation boundaries would save those few bytes at the price of a recursion
-carried rank to rank.
-"""
+`gather_sequence` (platform/context_parallel.py, with `split_sequence`) is the inverse cut, for
+outputs that whole-trajectory computations need (the critic's values for GAE, recomputed log-
+probs): all-gathered over the CP group, back in sequence order. Values are one float per token, so
+every CP rank gathers all of them and runs GAE on the whole trajectory (O(T) floats per rank,
+nothing next to the activations): exchanging only the values at action/observation boundaries would
+save those few bytes at the price of a recursion carried rank to rank. """
 
 from __future__ import annotations
 
