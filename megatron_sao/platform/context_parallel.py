@@ -51,7 +51,6 @@ def gather_sequence(local: torch.Tensor, group=None) -> torch.Tensor:
     gathered = torch.empty((cp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
     torch.distributed.all_gather_into_tensor(gathered, local.detach().contiguous(), group=group)
     by_rank = gathered.view(cp, local.shape[0], 2, chunk, *local.shape[2:])
-    chunks = [None] * (2 * cp)
-    for rank in range(cp):
-        chunks[rank], chunks[2 * cp - 1 - rank] = by_rank[rank, :, 0], by_rank[rank, :, 1]
+    # Sequence chunk i is held by rank i (first half) or by rank 2 cp - 1 - i (second half).
+    chunks = [by_rank[i, :, 0] if i < cp else by_rank[2 * cp - 1 - i, :, 1] for i in range(2 * cp)]
     return torch.cat(chunks, dim=1)
