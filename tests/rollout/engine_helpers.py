@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_sao.cpu_engine import CPUEngineConfig, ServerThread
 from megatron_sao.rollout.client import FinishReason, GenerateOutput, SamplingParams, VersionSpan
-from megatron_sao.rollout.cpu_engine import CPUEngineConfig, ServerThread
 from megatron_sao.rollout.engine_supervisor import free_port
 from megatron_sao.rollout.environment import Environment, PromptSample, StepResult
 from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_sao.rollout.cpu_engine.request import EngineRequest
+from megatron_sao.cpu_engine.request import EngineRequest
 
 
 @dataclass(slots=True)

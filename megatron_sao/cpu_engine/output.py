@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_sao.rollout.cpu_engine.logprobs import meta_entries
-from megatron_sao.rollout.cpu_engine.request import EngineRequest
-from megatron_sao.rollout.cpu_engine.stops import output_text, partial_text
+from megatron_sao.cpu_engine.logprobs import meta_entries
+from megatron_sao.cpu_engine.request import EngineRequest
+from megatron_sao.cpu_engine.stops import output_text, partial_text
 from megatron_sao.rollout.routing import encode_sglang_routed_experts
 
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_sao.rollout.cpu_engine.stops import compile_stop_regex
+from megatron_sao.cpu_engine.stops import compile_stop_regex
 
 SAMPLING_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a temperature below this is greedy
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value (top_k = -1 on the wire)

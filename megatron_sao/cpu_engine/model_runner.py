@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
-from megatron_sao.rollout.cpu_engine.routing_capture import RoutingCapture
+from megatron_sao.cpu_engine.kv_cache import RowKVCache
+from megatron_sao.cpu_engine.routing_capture import RoutingCapture
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
-from megatron_sao.rollout.cpu_engine.sampling import (
+from megatron_sao.cpu_engine.model_runner import ModelRunner
+from megatron_sao.cpu_engine.sampling import (
     TOP_K_ALL,
     BatchSamplingParams,
     SamplingConfig,

@@ -24,9 +24,9 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from megatron_sao.rollout.cpu_engine.output import build_output
-from megatron_sao.rollout.cpu_engine.request import EngineRequest
-from megatron_sao.rollout.cpu_engine.scheduler import Scheduler
+from megatron_sao.cpu_engine.output import build_output
+from megatron_sao.cpu_engine.request import EngineRequest
+from megatron_sao.cpu_engine.scheduler import Scheduler
 
 POLL_S = 0.5  # how often a quiet stream checks that its client is still there
 _INCREMENTAL_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sao.rollout.cpu_engine.sampling_params import SAMPLING_EPS, TOP_K_ALL, SamplingConfig
+from megatron_sao.cpu_engine.sampling_params import SAMPLING_EPS, TOP_K_ALL, SamplingConfig
 
 logger = logging.getLogger(__name__)
 __all__ = ["SAMPLING_EPS", "TOP_K_ALL", "BatchSamplingParams", "SamplingConfig", "sample_rows_isolated",

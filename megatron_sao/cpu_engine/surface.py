@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_sao.rollout.cpu_engine.sampling_params import is_default
+from megatron_sao.cpu_engine.sampling_params import is_default
 
 HONOURED = frozenset({
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
-from megatron_sao.rollout.cpu_engine.penalties import adjust_logits
-from megatron_sao.rollout.cpu_engine.request import EngineRequest
-from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams, sample_rows_isolated, step_logprobs
+from megatron_sao.cpu_engine.kv_cache import RowKVCache
+from megatron_sao.cpu_engine.model_runner import ModelRunner
+from megatron_sao.cpu_engine.penalties import adjust_logits
+from megatron_sao.cpu_engine.request import EngineRequest
+from megatron_sao.cpu_engine.sampling import BatchSamplingParams, sample_rows_isolated, step_logprobs
 
 
 def prefill(runner: ModelRunner, group: Sequence[EngineRequest]) -> tuple[RowKVCache, torch.Tensor]:

@@ -29,8 +29,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from megatron_sao.rollout.cpu_engine.occupation import EngineFatal
-from megatron_sao.rollout.cpu_engine.weights import read_hf_checkpoint
+from megatron_sao.cpu_engine.occupation import EngineFatal
+from megatron_sao.cpu_engine.weights import read_hf_checkpoint
 from megatron_sao.rollout.ipc_payload import TORCH_IPC_LOAD_FORMAT, decode_torch_ipc_payload
 from megatron_sao.rollout.weight_transfer import (
     DEFAULT_GROUP_NAME,
@@ -41,7 +41,7 @@ from megatron_sao.rollout.weight_transfer import (
 )
 
 if TYPE_CHECKING:
-    from megatron_sao.rollout.cpu_engine.server import CPUEngine
+    from megatron_sao.cpu_engine.server import CPUEngine
 
 
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from megatron_sao.rollout.cpu_engine.logprobs import LogprobState
-from megatron_sao.rollout.cpu_engine.request import EngineRequest
-from megatron_sao.rollout.cpu_engine.sampling_params import SamplingConfig
-from megatron_sao.rollout.cpu_engine.stops import stop_window
-from megatron_sao.rollout.cpu_engine.surface import check_request_fields
+from megatron_sao.cpu_engine.logprobs import LogprobState
+from megatron_sao.cpu_engine.request import EngineRequest
+from megatron_sao.cpu_engine.sampling_params import SamplingConfig
+from megatron_sao.cpu_engine.stops import stop_window
+from megatron_sao.cpu_engine.surface import check_request_fields
 
 MAX_PROMPTS_PER_REQUEST = 1024
 """Generations one `/generate` call may ask for (prompts x `n`)."""

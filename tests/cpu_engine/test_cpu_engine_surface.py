@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_sao.rollout.cpu_engine.sampling_params import SAMPLING_FIELDS
-from megatron_sao.rollout.cpu_engine.surface import GENERATE_FIELDS
+from megatron_sao.cpu_engine.sampling_params import SAMPLING_FIELDS
+from megatron_sao.cpu_engine.surface import GENERATE_FIELDS
 from tests.rollout.engine_helpers import cpu_engine
 
 _SPEC = importlib.util.find_spec("sglang")  # located, not imported: `import sglang` patches transformers

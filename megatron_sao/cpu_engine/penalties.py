@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from megatron_sao.rollout.cpu_engine.request import EngineRequest
+    from megatron_sao.cpu_engine.request import EngineRequest
 
 
 def adjust_logits(logits: torch.Tensor, requests: Sequence[EngineRequest], eos_token_ids: frozenset[int]

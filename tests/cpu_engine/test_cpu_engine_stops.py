@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from megatron_sao.rollout.cpu_engine.stops import regex_max_chars, stop_window
+from megatron_sao.cpu_engine.stops import regex_max_chars, stop_window
 from tests.rollout.engine_helpers import cpu_engine
 
 PROMPT = [30, 31, 32, 33]

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_sao.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.client import EngineClient, EngineError, SamplingParams
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.weight_transfer import SAFETENSORS_LOAD_FORMAT, encode_safetensors_payload
 from tests.rollout.engine_helpers import cpu_engine, tiny_checkpoint, tiny_checkpoint_other_seed
 

@@ -17,7 +17,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_sao.rollout.cpu_engine.request import EngineRequest
+    from megatron_sao.cpu_engine.request import EngineRequest
 
 MAX_STOP_REGEX_BYTES = 256  # SGLang's MAX_STOP_REGEX_LEN
 UNBOUNDED = 1 << 30

@@ -8,9 +8,9 @@ import httpx
 import pytest
 import torch
 
-from megatron_sao.rollout.cpu_engine.penalties import adjust_logits
-from megatron_sao.rollout.cpu_engine.request import EngineRequest
-from megatron_sao.rollout.cpu_engine.sampling_params import SamplingConfig
+from megatron_sao.cpu_engine.penalties import adjust_logits
+from megatron_sao.cpu_engine.request import EngineRequest
+from megatron_sao.cpu_engine.sampling_params import SamplingConfig
 from tests.rollout.engine_helpers import cpu_engine
 
 PROMPT = [12, 40, 41, 7]

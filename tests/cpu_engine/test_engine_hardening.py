@@ -22,9 +22,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from megatron_sao.cpu_engine.request import EngineRequest
+from megatron_sao.cpu_engine.sampling import SamplingConfig
 from megatron_sao.rollout.client import EngineClient, EngineUnavailableError, SamplingParams
-from megatron_sao.rollout.cpu_engine.request import EngineRequest
-from megatron_sao.rollout.cpu_engine.sampling import SamplingConfig
 from megatron_sao.rollout.engine_supervisor import free_port
 from tests.rollout.engine_helpers import cpu_engine, tiny_checkpoint
 
@@ -252,7 +252,7 @@ def test_engine_process_prints_ready_and_stops_on_the_first_sigint(tmp_path):
     port = free_port()
     log = tmp_path / "engine.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_sao.rollout.cpu_engine", "--model", str(tiny_checkpoint()), "--port",
+        [sys.executable, "-m", "megatron_sao.cpu_engine", "--model", str(tiny_checkpoint()), "--port",
          str(port), "--log-file", str(log)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -311,7 +311,7 @@ def test_client_timeouts_are_finite_by_default():
 
 def test_sampler_row_isolation_unit():
     """`sample_rows_isolated` gives the broken row its exception and the others their tokens."""
-    from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams, sample_rows_isolated
+    from megatron_sao.cpu_engine.sampling import BatchSamplingParams, sample_rows_isolated
 
     configs = [SamplingConfig(), SamplingConfig(temperature=float("nan")), SamplingConfig()]
     logits = torch.randn(3, 50)

@@ -24,16 +24,16 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from megatron_sao.rollout.cpu_engine.batching import SchedulerStats, length_groups
-from megatron_sao.rollout.cpu_engine.kv_cache import RowKVCache
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
-from megatron_sao.rollout.cpu_engine.occupation import EngineFatal, MemoryOccupation
-from megatron_sao.rollout.cpu_engine.request import EngineRequest, abort_reason
-from megatron_sao.rollout.cpu_engine.routing_capture import RoutingRecord
-from megatron_sao.rollout.cpu_engine.sampling import BatchSamplingParams
-from megatron_sao.rollout.cpu_engine.steps import needs_prefill, prefill, record_routing, sample
-from megatron_sao.rollout.cpu_engine.stops import finish_reason
-from megatron_sao.rollout.cpu_engine.weights import HFWeightMap
+from megatron_sao.cpu_engine.batching import SchedulerStats, length_groups
+from megatron_sao.cpu_engine.kv_cache import RowKVCache
+from megatron_sao.cpu_engine.model_runner import ModelRunner
+from megatron_sao.cpu_engine.occupation import EngineFatal, MemoryOccupation
+from megatron_sao.cpu_engine.request import EngineRequest, abort_reason
+from megatron_sao.cpu_engine.routing_capture import RoutingRecord
+from megatron_sao.cpu_engine.sampling import BatchSamplingParams
+from megatron_sao.cpu_engine.steps import needs_prefill, prefill, record_routing, sample
+from megatron_sao.cpu_engine.stops import finish_reason
+from megatron_sao.cpu_engine.weights import HFWeightMap
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

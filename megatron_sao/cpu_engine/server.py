@@ -24,22 +24,22 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from megatron_sao.rollout.cpu_engine.http_io import (
+from megatron_sao.cpu_engine.http_io import (
     EngineStopping,
     error_response,
     json_object_body,
     read_json_body,
     register_error_handlers,
 )
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner, parse_dtype
-from megatron_sao.rollout.cpu_engine.occupation import EngineFatal
-from megatron_sao.rollout.cpu_engine.output import build_output
-from megatron_sao.rollout.cpu_engine.protocol import PromptLimits, parse_generate
-from megatron_sao.rollout.cpu_engine.request import EngineRequest
-from megatron_sao.rollout.cpu_engine.sampling import SamplingConfig
-from megatron_sao.rollout.cpu_engine.scheduler import Scheduler
-from megatron_sao.rollout.cpu_engine.streaming import stream_answers
-from megatron_sao.rollout.cpu_engine.weight_routes import register_weight_routes
+from megatron_sao.cpu_engine.model_runner import ModelRunner, parse_dtype
+from megatron_sao.cpu_engine.occupation import EngineFatal
+from megatron_sao.cpu_engine.output import build_output
+from megatron_sao.cpu_engine.protocol import PromptLimits, parse_generate
+from megatron_sao.cpu_engine.request import EngineRequest
+from megatron_sao.cpu_engine.sampling import SamplingConfig
+from megatron_sao.cpu_engine.scheduler import Scheduler
+from megatron_sao.cpu_engine.streaming import stream_answers
+from megatron_sao.cpu_engine.weight_routes import register_weight_routes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,7 +53,7 @@ def health_check_timeout_s() -> float:
 
 @dataclass(kw_only=True, slots=True)
 class CPUEngineConfig:
-    """Options of `python -m megatron_sao.rollout.cpu_engine` (one field per flag)."""
+    """Options of `python -m megatron_sao.cpu_engine` (one field per flag)."""
 
     model_path: str
     """HF checkpoint directory (config, safetensors, tokenizer)."""

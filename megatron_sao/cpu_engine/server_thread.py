@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from megatron_sao.rollout.cpu_engine.server import CPUEngine, CPUEngineConfig, create_app
+from megatron_sao.cpu_engine.server import CPUEngine, CPUEngineConfig, create_app
 
 
 class ServerThread:

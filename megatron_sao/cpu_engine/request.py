@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from megatron_sao.rollout.cpu_engine.logprobs import LogprobState
-from megatron_sao.rollout.cpu_engine.routing_capture import RoutingRecord
-from megatron_sao.rollout.cpu_engine.sampling_params import SamplingConfig
+from megatron_sao.cpu_engine.logprobs import LogprobState
+from megatron_sao.cpu_engine.routing_capture import RoutingRecord
+from megatron_sao.cpu_engine.sampling_params import SamplingConfig
 
 
 @dataclass(eq=False, slots=True)
