@@ -1,6 +1,6 @@
 """One shell command in the rollout sandbox, against a copy of a directory whose changes come back.
 
-The sandbox (`rollout/sandbox.py`, reached through `$SAO_SANDBOX_EXEC`: Python on stdin, output on
+The sandbox (`rollout/sandbox/`, reached through `$SAO_SANDBOX_EXEC`: Python on stdin, output on
 stdout) keeps nothing between calls and sees only a private /tmp. So each call ships the directory
 in (a gzipped tar, base64, inside the Python program), unpacks it in /tmp/repo, runs
 `bash -c COMMAND` there (its own wall-clock limit, output capped), packs /tmp/repo again and prints

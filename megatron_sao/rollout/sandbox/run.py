@@ -11,8 +11,8 @@ program. When the call returns, every process it started is dead. Failures come 
 
 Where a primitive is unavailable (no root, a container that forbids unshare) the call degrades
 and logs one warning per missing primitive saying what is no longer protected; `strict=True`
-refuses to run instead. The privileged half lives in `sandbox_init.py`; the configuration in
-`sandbox_config.py` (re-exported here); the async pool in `sandbox_pool.py`.
+refuses to run instead. The privileged half lives in `init.py` (run as a script); the
+configuration in `config.py`; the async pool in `pool.py`; the package re-exports all three's names.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_sao.rollout.sandbox_config import SandboxConfig
+from megatron_sao.rollout.sandbox.config import SandboxConfig
 from megatron_sao.utils.lifetime import RUN_ID_ENV, run_id
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # megatron_sao.rollout.sandbox, as before it was a package
 
 __all__ = ["SandboxConfig", "SandboxResult", "run_python"]
 
-_INIT_SCRIPT = str(Path(__file__).with_name("sandbox_init.py"))
+_INIT_SCRIPT = str(Path(__file__).with_name("init.py"))  # run by path, with -I -S: never imported
 _MEANING_OF_MISSING = {
     "net": "model code CAN reach the network",
     "mount": "the filesystem is NOT read-only and home directories are NOT hidden; the code can "

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_sao.rollout.sandbox import SandboxConfig, run_python
-from megatron_sao.rollout.sandbox_config import MAX_PID
+from megatron_sao.rollout.sandbox.config import MAX_PID
 
 FULL = ("net", "mount", "pid", "user")
 UID_BASE = 2_010_000_000  # private to this file, so concurrent sandbox users do not disturb counts
@@ -316,7 +316,7 @@ def test_escaped_daemon_is_killed_at_the_end(namespaces: tuple[str, ...]) -> Non
 
 
 def test_unescape_mountinfo() -> None:
-    from megatron_sao.rollout.sandbox_init import _unescape_mountinfo
+    from megatron_sao.rollout.sandbox.init import _unescape_mountinfo
 
     assert _unescape_mountinfo("/mnt/a\\040b\\134c") == "/mnt/a b\\c"
     assert _unescape_mountinfo("/plain") == "/plain"

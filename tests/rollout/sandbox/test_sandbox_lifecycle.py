@@ -15,9 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_sao.rollout.sandbox import SandboxConfig
-from megatron_sao.rollout.sandbox_pool import SandboxPool, run_python_async
-from tests.rollout.test_sandbox import uid_processes
+from megatron_sao.rollout.sandbox import SandboxConfig, SandboxPool, run_python_async
+from tests.rollout.sandbox.test_sandbox import uid_processes
 
 UID_BASE = 2_020_000_000
 
@@ -107,7 +106,7 @@ def test_degrades_with_warnings_or_refuses_in_strict_mode() -> None:
     """Root without CAP_SYS_ADMIN (a typical container): no namespaces can be made."""
     proc = subprocess.run(
         ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", "--", sys.executable, "-c",
-         DEGRADED_SCRIPT], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+         DEGRADED_SCRIPT], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[3],
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -138,7 +137,7 @@ def test_host_mounts_under_a_masked_directory() -> None:
         (masked / "inner").mkdir()
         proc = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
                                MOUNT_UNDER_MASK, str(masked)], capture_output=True, text=True, timeout=120,
-                              cwd=Path(__file__).parents[2])
+                              cwd=Path(__file__).parents[3])
     finally:
         shutil.rmtree(masked, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr

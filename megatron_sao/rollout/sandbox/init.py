@@ -1,6 +1,6 @@
 """Privileged half of the Python tool sandbox: run as a script, never imported by model code.
 
-`sandbox.py` starts this file with the trainer's own interpreter (`python -I -S -B`, stdlib only,
+`run.py` starts this file (by path) with the trainer's own interpreter (`python -I -S -B`, stdlib only,
 so nothing from the project or the user's environment is imported while we still hold root)
 and writes one JSON spec to its stdin. Three processes follow:
 

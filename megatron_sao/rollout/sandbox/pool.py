@@ -14,7 +14,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_sao.rollout.sandbox import SandboxConfig, SandboxResult, run_python
+from megatron_sao.rollout.sandbox.run import SandboxConfig, SandboxResult, run_python
 
 
 class SandboxPool:

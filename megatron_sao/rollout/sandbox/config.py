@@ -1,4 +1,4 @@
-"""Configuration of the Python tool sandbox (see `sandbox.py` and docs/sandbox.md)."""
+"""Configuration of the Python tool sandbox (see `run.py` and docs/sandbox.md)."""
 
 from __future__ import annotations
 
