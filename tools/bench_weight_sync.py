@@ -119,8 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
 
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
     from megatron_sao.platform import run_distributed
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="sao-bench-sync-") as tmp:
         heads = max(1, args.hidden_size // 64)

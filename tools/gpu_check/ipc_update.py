@@ -89,11 +89,11 @@ def main() -> int:
     from megatron_sao.config import load_config
     from megatron_sao.models import build_model
     from megatron_sao.models.hf_export import HFWeightExporter
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
     from megatron_sao.platform import init_model_parallel
     from megatron_sao.platform.distributed import free_port
     from megatron_sao.rollout.ipc_payload import TORCH_IPC_LOAD_FORMAT, encode_torch_ipc_payload
     from megatron_sao.rollout.weight_transfer import SAFETENSORS_LOAD_FORMAT, encode_safetensors_payload
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check_c_"))
     hf = build_tiny_hf_checkpoint(work / "hf", seed=0)

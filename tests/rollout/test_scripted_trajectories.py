@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_sao.rollout.scripted_trajectories import ScriptedTaskConfig, make_scripted_trajectories
 from megatron_sao.rollout.trajectory import RewardKind, Trajectory, TrajectoryStatus
 from megatron_sao.rollout.trajectory_io import trajectory_to_dict
-from megatron_sao.utils.scripted_trajectories import ScriptedTaskConfig, make_scripted_trajectories
 
 NUM = 200
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
     return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)
 
