@@ -1,6 +1,6 @@
 """The worked example's verifier: the task's unit tests, run in the sandbox, give the reward.
 
-    python -m megatron_sao.rollout.gateway.examples.swe_verify    # in the episode's work directory
+    python -m examples.swe_agent.swe_verify    # in the episode's work directory
 
 In a copy of `./repo` it puts the task's test files back as they were (editing the tests earns
 nothing), runs `python -m unittest -v <the test modules>` there in the rollout sandbox (the code is
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megatron_sao.rollout.gateway.examples.sandbox_repo import run_command
+from examples.swe_agent.sandbox_repo import run_command
 
 
 def expected_tests(task: dict[str, Any]) -> list[str]:

@@ -1,6 +1,6 @@
 """A small SWE-style agent written against the `openai` client: the worked example of the gateway.
 
-    python -m megatron_sao.rollout.gateway.examples.swe_scaffold [--max-steps 30] [--command-timeout 10]
+    python -m examples.swe_agent.swe_scaffold [--max-steps 30] [--command-timeout 10]
 
 It does what OpenHands or mini-swe-agent do, in miniature: it writes the task's repository to
 `./repo`, then loops: a chat completion with one `bash` tool (function calling); every call the
@@ -27,7 +27,7 @@ from typing import Any
 
 import openai
 
-from megatron_sao.rollout.gateway.examples.sandbox_repo import run_command
+from examples.swe_agent.sandbox_repo import run_command
 
 BASH_TOOL = {"type": "function", "function": {
     "name": "bash",

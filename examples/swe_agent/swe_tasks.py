@@ -5,7 +5,7 @@ and `unittest` tests covering both; the buggy function fails its tests. The prom
 that returns the wrong value (the "issue"). What `(seed, index)` picks: the buggy function (5
 kinds), the decoy, the package and module names, and the examples in the issue and the tests.
 
-    python -m megatron_sao.rollout.gateway.examples.swe_tasks --out checkpoints/swe/train.jsonl --num 256
+    python -m examples.swe_agent.swe_tasks --out checkpoints/swe/train.jsonl --num 256
 
 writes prompt rows (docs/datasets-and-environments.md): `id`, `messages` and `metadata` holding
 the repository (`files`: path -> text) and the paths of its tests (`test_files`), which the

@@ -4,7 +4,7 @@ A trained model writes its calls in its family's markup (`qwen3`, `glm`: the gat
 `tool_call_format: auto`). The tiny random MoE of the CPU recipes never writes `<tool_call>{...}`
 by chance, so with a real format the example scaffold would never run a tool and the tool path of
 the pipeline would go untested. With this format (`tool_call_format:
-megatron_sao.rollout.gateway.examples.tiny_tool_format:EveryTurnIsBash`) the gateway hands the
+examples.swe_agent.tiny_tool_format:EveryTurnIsBash`) the gateway hands the
 scaffold each turn's whole text as the `command` of a `bash` call, so every turn runs something in
 the sandbox (mostly `command not found`). Nothing of the record changes: the trajectory holds the
 engine's tokens either way, and `render` gives back exactly the text `parse` consumed.

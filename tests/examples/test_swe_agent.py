@@ -1,4 +1,4 @@
-"""The worked example (megatron_sao/rollout/gateway/examples/): tiny repository tasks, the sandboxed
+"""The worked example (examples/swe_agent/): tiny repository tasks, the sandboxed
 bash tool, the unit-test verifier, the `openai`-client scaffold through the gateway (an oracle
 engine that fixes the bug; the random tiny model on a CPU engine that does not), and `sao train`
 on recipes/tiny_cpu_swe.yaml."""
@@ -14,21 +14,25 @@ from pathlib import Path
 
 import pytest
 
+from examples.swe_agent.sandbox_repo import run_command
+from examples.swe_agent.swe_scaffold import write_repo
+from examples.swe_agent.swe_tasks import make_task, write_swe_dataset
+from examples.swe_agent.swe_verify import verify
 from megatron_sao.rollout.agent_loop import AgentLoopConfig
 from megatron_sao.rollout.engine_pool import EnginePool
 from megatron_sao.rollout.environment import PromptSample
 from megatron_sao.rollout.envs import make_env_factory
 from megatron_sao.rollout.gateway import ScaffoldRunner
-from megatron_sao.rollout.gateway.examples.sandbox_repo import run_command
-from megatron_sao.rollout.gateway.examples.swe_scaffold import write_repo
-from megatron_sao.rollout.gateway.examples.swe_tasks import make_task, write_swe_dataset
-from megatron_sao.rollout.gateway.examples.swe_verify import verify
 from megatron_sao.rollout.trajectory import TrajectoryStatus
 from tests.rollout.engine_helpers import IM_END, Answer, ScriptedEngine, cpu_engine, tiny_checkpoint, tools_tokenizer
 from tests.rollout.gateway.helpers import RecordingClient, action_spans
 
-EXAMPLES = "megatron_sao.rollout.gateway.examples"
-RECIPE = Path(__file__).parents[3] / "recipes" / "tiny_cpu_swe.yaml"
+EXAMPLES = "examples.swe_agent"
+REPO = Path(__file__).parents[2]
+RECIPE = REPO / "recipes" / "tiny_cpu_swe.yaml"
+# The example lives outside the library: the programs the environment starts in their work
+# directories find it through the repository root on the import path, as `make demo-swe` sets it.
+PYTHONPATH = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 
 def _sample(task) -> PromptSample:
@@ -41,7 +45,7 @@ def _factory(tmp_path: Path, max_steps: int, **kwargs):
         "openai_scaffold", command=["{python}", "-m", f"{EXAMPLES}.swe_scaffold", "--max-steps", str(max_steps),
                                     "--command-timeout", "5", "--max-output-chars", "300"],
         verifier_command=["{python}", "-m", f"{EXAMPLES}.swe_verify"], timeout_s=180, keep_workdir=True,
-        workdir_root=str(tmp_path), **kwargs)
+        workdir_root=str(tmp_path), extra_env={"PYTHONPATH": PYTHONPATH}, **kwargs)
 
 
 def _run(factory, client, tokenizer, samples, **config):
@@ -82,7 +86,8 @@ def test_verifier_gives_one_only_for_a_correct_fix(tmp_path: Path) -> None:
     write_repo(task.fixed_files, repo)
     (tmp_path / "task.json").write_text(json.dumps(row))
     run = subprocess.run([sys.executable, "-m", f"{EXAMPLES}.swe_verify"], cwd=tmp_path, capture_output=True,
-                         text=True, env={**os.environ, "SAO_WORKDIR": str(tmp_path)}, timeout=120)
+                         text=True, timeout=120,
+                         env={**os.environ, "SAO_WORKDIR": str(tmp_path), "PYTHONPATH": PYTHONPATH})
     assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == "1.0", run.stdout + run.stderr
     assert f"test_{task.function} " in run.stdout and "OK" in run.stdout
 
@@ -149,10 +154,11 @@ def test_tiny_model_episode_on_cpu_engine_is_recorded_with_sandboxed_calls(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sao_train_runs_the_swe_example(tmp_path: Path, tiny_hf_dir: Path) -> None:
+def test_sao_train_runs_the_swe_example(tmp_path: Path, tiny_hf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_sao.config import load_config
     from megatron_sao.jobs.train import run_train
 
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)  # the scaffolds the run starts inherit it
     prompts = write_swe_dataset(tmp_path / "swe.jsonl", 32, seed=0)
     config = load_config(str(RECIPE), [f"run.output_dir={tmp_path}", f"model.hf_path={tiny_hf_dir}",
                                        f"data.train_path={prompts}", "launcher.nproc_per_node=1",
