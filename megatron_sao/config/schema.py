@@ -38,7 +38,7 @@ class ModelConfig:
     """Build a tiny random checkpoint at `hf_path` if none is there (CPU demo and tests). The
     architecture overrides below then define its shape."""
     tiny_family: str = "qwen3_moe"
-    """Model family of the tiny checkpoint (see megatron_sao.utils.tiny_hf.supported_families)."""
+    """Model family of the tiny checkpoint (see megatron_sao.models.tiny_hf.supported_families)."""
     load_weights: bool = True
     """Load the checkpoint's weights (False: random init with the checkpoint's architecture)."""
     dtype: Dtype = "bfloat16"

@@ -62,7 +62,7 @@ def _processes(marker: str, start: bool = False) -> list[psutil.Process]:
 
 
 def _engine_servers() -> list[psutil.Process]:
-    return _processes("megatron_sao.rollout.cpu_engine")
+    return _processes("megatron_sao.cpu_engine")
 
 
 def _engine_peers(processes: list[psutil.Process], engine_ports: set[int]) -> set[int]:

@@ -1,4 +1,4 @@
-"""The pipeline against the CPU engine's SGLang 0.5.23 semantics (rollout/cpu_engine: weight-update
+"""The pipeline against the CPU engine's SGLang 0.5.23 semantics (megatron_sao/cpu_engine: weight-update
 session, `/model_info` version, no health answer while paused, memory released only when idle):
 the weight-update session and its clean-up after a failure, lagging engines found by their
 `/model_info` version, the trainer's update group destroyed on close (registered in torch's c10d
@@ -144,7 +144,7 @@ def test_colocated_suspend_and_resume_follow_sglangs_order_with_a_request_in_fli
     """retract + release (the engine is idle, as 0.5.23 asserts), the trainer's turn, the weights
     back, the push, the rest back, continue: the request in flight survives and its later tokens
     carry the new version. Releasing after an in-place pause, or pushing into released weights,
-    would stop the engine (rollout/cpu_engine/occupation.py)."""
+    would stop the engine (megatron_sao/cpu_engine/occupation.py)."""
     exporter = CheckpointExporter(tiny_checkpoint_other_seed())
     with cpu_engine() as server:
         service = _service([server.url])

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
+from megatron_sao.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.client import EngineClient, EngineError, GenerateOutput, SamplingParams
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
 from tests.rollout.engine_helpers import cpu_engine, tiny_checkpoint
 
 LOGPROB_TOL = 1e-5  # fp32 engine vs. fp32 reference forward

@@ -89,7 +89,7 @@ def test_handoff_into_another_layout_keeps_the_critics_predictions(handoff):
 def test_heldout_explained_variance_rises_on_the_scripted_task(tmp_path, tiny_hf_dir):
     """The scripted calculator task (reward predictable from the prompt's difficulty tag, best
     possible EV ~0.81): held-out explained variance above 0.5 after 80 steps of 16."""
-    from megatron_sao.utils.scripted_trajectories import make_scripted_trajectories
+    from megatron_sao.rollout.scripted_trajectories import make_scripted_trajectories
     from megatron_sao.valuepretrain.corpus import write_corpus
 
     corpus = tmp_path / "corpus"
