@@ -19,14 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from megatron_sao.config.schema import SaoConfig
-from megatron_sao.rollout.environment import PromptSample
 from megatron_sao.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -257,17 +255,3 @@ def _give_back_cached_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-
-def positioned(stream: Any) -> Iterator[PromptSample]:
-    """The stream's prompts, each with its draw number in `metadata["stream_position"]` (0, 1,
-    ...; a function of the stream's restorable position, so it survives a resume). Environments
-    whose behaviour changes over a run (`calc_shift`, online mode) read it. A prompt handed out
-    again after a resume keeps the number it was first drawn with."""
-    from megatron_sao.rollout.environment import STREAM_POSITION_KEY
-
-    per_epoch = len(stream.samples) * stream.group_size
-    for sample in stream:
-        if STREAM_POSITION_KEY not in sample.metadata:
-            position = stream.epoch * per_epoch + stream.index - 1
-            sample = dataclasses.replace(sample, metadata={**sample.metadata, STREAM_POSITION_KEY: position})
-        yield sample

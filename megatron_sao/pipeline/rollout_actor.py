@@ -61,8 +61,7 @@ class RolloutHost:
         from transformers import AutoTokenizer
 
         from megatron_sao.pipeline.buffer import ReadyBuffer, round_gated
-        from megatron_sao.pipeline.engine_source import positioned
-        from megatron_sao.pipeline.prompts import PromptStream
+        from megatron_sao.pipeline.prompts import PromptStream, positioned
         from megatron_sao.pipeline.rollout_service import RolloutService, log_dir
         from megatron_sao.rollout.datasets import DatasetConfig, load_prompts
         from megatron_sao.rollout.settings import agent_loop_config_from, engine_config_from, env_factory_from
