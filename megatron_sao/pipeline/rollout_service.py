@@ -35,8 +35,7 @@ from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:  # the engine side is imported when a rollout starts
     from megatron_sao.rollout.agent_loop import AgentLoopConfig
-    from megatron_sao.rollout.engine_pool import EnginePool
-    from megatron_sao.rollout.serving import EngineFleet, Runner, Serving
+    from megatron_sao.rollout.serving import EngineFleet, Serving
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +85,11 @@ class RolloutService:
         self._task: asyncio.Future | None = None
         self._watchdog: asyncio.Future | None = None
         self.serving: Serving | None = None
-        self.supervisor: EngineFleet | None = None
-        self.pool: EnginePool | None = None
-        self.agent: Runner | None = None
+        # Its parts once started (tests and tools set them on their own): an `EngineFleet`, the
+        # `EnginePool`, the `Runner` (rollout/serving.py).
+        self.supervisor: Any = None
+        self.pool: Any = None
+        self.agent: Any = None
         self.error: BaseException | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
