@@ -43,9 +43,9 @@ class EngineSource:
         self._sync_failures = 0
         # Colocated: engines and trainers time-share the devices (engines release their memory
         # while the trainer steps); disaggregated: generation stops only for weight updates.
-        # `auto` resolves as everywhere else (planning.placement.engine_placement).
+        # `auto` resolves as everywhere else (config.placement.engine_placement).
+        from megatron_sao.config.placement import engine_placement, weight_sync_mode
         from megatron_sao.pipeline.weight_sync import check_weight_sync
-        from megatron_sao.planning.placement import engine_placement, weight_sync_mode
 
         self.colocated = engine_placement(config) == "colocated"
         # `rollout.weight_sync` as the pushes will read it (auto resolved): refused now, not at the first push.

@@ -62,7 +62,7 @@ def check_weight_sync(config: WeightSyncConfig, disk_dir: str = "") -> None:
     """ValueError naming the `rollout.weight_sync.*` key that cannot work for a push."""
     if config.mode not in ("tensor", "distributed", "disk"):
         raise ValueError(f"rollout.weight_sync.mode must be tensor, distributed or disk here (auto is resolved "
-                         f"by planning.placement.weight_sync_mode), got {config.mode!r}")
+                         f"by config.placement.weight_sync_mode), got {config.mode!r}")
     if not config.bucket_mb > 0:
         raise ValueError(f"rollout.weight_sync.bucket_mb must be > 0, got {config.bucket_mb}")
     if config.every_n_steps < 1:
