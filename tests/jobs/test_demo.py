@@ -30,7 +30,6 @@ def test_demo_runs_every_stage_and_reports_heldout_success(tmp_path):
         assert (base / stage).is_dir(), stage
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_heldout_evaluation_runs_a_gateway_scaffold_through_its_runner(tmp_path):
     """The demo's held-out evaluation with `rollout.environment=openai_scaffold`: each episode runs
