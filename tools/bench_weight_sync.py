@@ -42,10 +42,11 @@ def bench_worker(hf_dir: str, overrides: list[str], modes: list[str], bucket_mb:
     import torch.distributed as dist
 
     from megatron_sao.config import load_config
+    from megatron_sao.config.schema import WeightSyncConfig
     from megatron_sao.cpu_engine import CPUEngineConfig, ServerThread
     from megatron_sao.models import build_model
     from megatron_sao.models.hf_export import HFWeightExporter
-    from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig
+    from megatron_sao.pipeline.weight_sync import WeightSync
     from megatron_sao.platform import init_model_parallel
     from megatron_sao.platform.distributed import free_port
     from megatron_sao.rollout.client import EngineClient
@@ -85,7 +86,7 @@ def bench_worker(hf_dir: str, overrides: list[str], modes: list[str], bucket_mb:
     version = 0
     try:
         for mode in modes:
-            sync = WeightSync(exporter, WeightSyncConfig(mode=mode, bucket_mb=bucket_mb, disk_dir=f"{work}/disk"))
+            sync = WeightSync(exporter, WeightSyncConfig(mode=mode, bucket_mb=bucket_mb), disk_dir=f"{work}/disk")
             version += 1
             sync.sync(version, clients)  # untimed: opens the group, warms the engine
             reports = []

@@ -176,29 +176,23 @@ def rollout_heldout(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir
 
     from transformers import AutoTokenizer
 
-    from megatron_sao.rollout.agent_loop import AgentLoop
-    from megatron_sao.rollout.client import EngineClient
-    from megatron_sao.rollout.engine_pool import EnginePool
-    from megatron_sao.rollout.engine_supervisor import EngineSupervisor
+    from megatron_sao.rollout.serving import Serving, run_episodes
     from megatron_sao.rollout.settings import agent_loop_config_from, engine_config_from, env_factory_from
 
     engine_config = engine_config_from(config, model_path=str(hf_dir), routing=False)  # evaluation: no replay
     log_dir.mkdir(parents=True, exist_ok=True)
     engine_config.log_dir = str(log_dir)
-    with EngineSupervisor(engine_config) as supervisor:  # started on entry, stopped on exit
-        urls = supervisor.urls
+    # Sampled at rollout.temperature: the distribution RL optimises (and SFT's as sampled). The
+    # same composition as RL (`rollout/serving.py`): a scaffold environment runs through the gateway.
+    serving = Serving(engine_config, agent_loop_config_from(config, routing=False),
+                      AutoTokenizer.from_pretrained(hf_dir), env_factory_from(config),
+                      config.rollout.max_inflight_per_engine)
 
-        async def run() -> list[Any]:
-            pool = EnginePool([EngineClient(u) for u in urls])
-            # Sampled at rollout.temperature: the distribution RL optimises (and SFT's as sampled).
-            agent = AgentLoop(agent_loop_config_from(config, routing=False), AutoTokenizer.from_pretrained(hf_dir),
-                              pool, env_factory_from(config))
-            try:
-                return await asyncio.gather(*(agent.run_trajectory(s) for s in samples))
-            finally:
-                await pool.close()
+    async def run() -> list[Any]:
+        async with serving:  # engines started on entry, stopped on exit
+            return await run_episodes(serving.runner, samples)
 
-        return list(asyncio.run(run()))
+    return asyncio.run(run())
 
 
 def success_by_tier(trajectories: list[Any]) -> dict[str, float]:

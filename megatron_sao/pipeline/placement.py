@@ -31,10 +31,14 @@ nodes. Trainer rank 0 is the only trainer rank that talks to it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megatron_sao.config.schema import SaoConfig
+
+if TYPE_CHECKING:
+    from megatron_sao.rollout.serving import EngineFleet
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +153,10 @@ def _current_placement_group() -> Any:
     return ray.util.get_current_placement_group() if ray.is_initialized() else None
 
 
-def make_engine_supervisor(config: SaoConfig) -> Any:
+def make_engine_supervisor(config: SaoConfig) -> Callable[[Any], EngineFleet] | None:
     """The engine supervisor factory of this run: Ray actors in the run's placement group when
-    this process is a rank placed by Ray, None otherwise (local engine processes)."""
+    this process is a rank placed by Ray, None otherwise (local engine processes); what it makes
+    is a `rollout.serving.EngineFleet`."""
     group = _current_placement_group()
     if group is None:
         return None

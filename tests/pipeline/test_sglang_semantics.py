@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from megatron_sao.config.schema import WeightSyncConfig
 from megatron_sao.pipeline.rollout_service import RolloutService
-from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncError
 from megatron_sao.rollout.client import EngineClient, SamplingParams
 from megatron_sao.rollout.engine_pool import EnginePool
 from megatron_sao.rollout.weight_transfer import DEFAULT_GROUP_NAME
@@ -103,7 +104,7 @@ def test_the_trainer_end_of_the_update_group_is_destroyed_on_close_and_reopens()
     with cpu_engine() as server:
         async def go():
             clients = [EngineClient(server.url)]
-            sync = WeightSync(exporter, WeightSyncConfig(mode="distributed", bucket_mb=0.5, timeout_s=60))
+            sync = WeightSync(exporter, WeightSyncConfig(mode="distributed", bucket_mb=0.5), timeout_s=60)
             await sync._ensure_group(clients)  # what a distributed push opens first
             registered = DEFAULT_GROUP_NAME in _world.pg_names.values()  # as torch registers NCCL groups
             assert registered, "the trainer's end of the group is not in torch's c10d registry (GPU's NCCL one is)"
