@@ -178,3 +178,14 @@ def make_rollout_actor(config: SaoConfig, run_dir: Any) -> Any:
 
     placement = ray_placement(config, with_engines=True)
     return RemoteRollout(config, run_dir, group, placement.rollout_bundle(), make_engine_supervisor(config))
+
+
+def ray_ranks_plan(config: SaoConfig, with_engines: bool) -> Any:
+    """`config`'s trainer ranks on Ray for `platform.launch.launch_ranks`: the placement (with the
+    engines' and rollout's bundles when `with_engines`) and how to reserve it."""
+    from functools import partial
+
+    from megatron_sao.platform.launch import RayRanksPlan
+
+    placement = ray_placement(config, with_engines=with_engines)
+    return RayRanksPlan(placement, partial(create_placement_group, placement))
