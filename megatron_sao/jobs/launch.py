@@ -40,8 +40,6 @@ _FLAG_FIELDS = {"nodes": "launcher.nnodes", "gpus_per_node": "launcher.nproc_per
                 "partition": "launcher.partition", "account": "launcher.account", "time": "launcher.time_limit",
                 "container": "launcher.container_image", "interface": "launcher.network_interface",
                 "port_range": "launcher.port_range", "join_timeout": "launcher.join_timeout_s"}
-TRAINER_COMMANDS = {"train", "sft"}
-"""Driver commands whose ranks run as srun tasks on every node (jobs/train_multinode.py)."""
 RECIPE_COMMANDS = ("train", "sft", "value-pretrain train", "value-pretrain generate", "config show")
 """`--command`s the driver runs on the resolved recipe (`sao <command> CONFIG checkpoint.resume=auto`);
 `convert ...` is the other kind, run as given."""
@@ -129,10 +127,12 @@ def check_launch(config, command: list[str], recipe: str) -> None:
 
 
 def driver_command(command: str, python: str, config_path: Path, nodes: int, tasks_per_node: int) -> list[str]:
-    """The driver the job runs on its first node: `sao train|sft` (which start their ranks as srun
-    tasks on every node), another recipe sub-command (`value-pretrain train`, `config show`, ...)
-    on the resolved config, or `convert ...` as it is given, one srun task per rank
-    (`nodes x tasks_per_node`; the conversion adopts Slurm's task variables)."""
+    """The driver the job runs on its first node: a recipe sub-command (`sao train|sft`,
+    `value-pretrain train`, `config show`, ...) on the resolved config, whose launcher.kind=slurm
+    makes `train`, `sft` and `value-pretrain train` start their ranks as srun tasks on every node
+    (or Ray actors on the job's cluster with launcher.ray; `platform/launch.py`), or `convert ...`
+    as it is given, one srun task per rank (`nodes x tasks_per_node`; the conversion adopts
+    Slurm's task variables)."""
     words = shlex.split(command)
     if not words:
         raise ValueError("--command is empty: name a sao sub-command, e.g. train")
@@ -140,8 +140,7 @@ def driver_command(command: str, python: str, config_path: Path, nodes: int, tas
         return ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes * tasks_per_node}",
                 f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=1", python, "-m", "megatron_sao.cli",
                 *words]
-    module = "megatron_sao.jobs.train_multinode" if words[0] in TRAINER_COMMANDS else "megatron_sao.cli"
-    return [python, "-m", module, *words, str(config_path), "checkpoint.resume=auto"]
+    return [python, "-m", "megatron_sao.cli", *words, str(config_path), "checkpoint.resume=auto"]
 
 
 def check_container_paths(paths: dict[str, Path], mounts: list[Path], image: str) -> None:

@@ -3,13 +3,13 @@ turned into the task's SIGTERM handler. The Slurm variables a task adopts: tests
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
 import pytest
 
 from megatron_sao.platform.srun import STOP_SIGNAL, _stop_as_sigterm, srun_command
+
 
 def test_rank_step_line(tmp_path: Path) -> None:
     line = srun_command(tmp_path / "payload.pkl", world_size=12, ntasks_per_node=8, python="py")
