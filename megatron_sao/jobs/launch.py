@@ -67,7 +67,7 @@ class _RaisingParser(SaoArgumentParser):
 def check_driver_command(command: str) -> list[str]:
     """The words of `--command`, when the job can run them: a recipe command (`RECIPE_COMMANDS`) or
     a `convert` command that `sao convert`'s own parser accepts. ValueError naming the choices."""
-    from megatron_sao.checkpointing.convert_cli import add_convert_parser
+    from megatron_sao.jobs.convert import add_convert_parser
 
     words = shlex.split(command)
     if not words:

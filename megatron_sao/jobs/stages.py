@@ -61,8 +61,8 @@ def convert_to_mcore(hf_dir: Path, out: Path) -> Path:
     converter itself (`checkpointing.hf_to_mcore.convert_hf_to_mcore`) on one spawned process:
     its torch.distributed world stays out of the driver's. Its result line is said as
     `sao convert hf-to-mcore` prints it; a bad input is its own user error."""
-    from megatron_sao.checkpointing.convert_cli import check_checkpoint_kinds
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
+    from megatron_sao.jobs.convert import check_checkpoint_kinds
     from megatron_sao.platform import run_distributed
 
     if (out / "sao_manifest.json").is_file():
