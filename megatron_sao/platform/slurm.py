@@ -7,7 +7,7 @@ node picking the same Ray / master ports. So: node names come from Slurm's own h
 the IP from a named interface when one is given (else the hostname's first non-loopback
 address), always logged; ports come from a configurable range, one block per job id.
 
-Also a small command-line face used by launchers/slurm/ (`python -m megatron_sao.platform.slurm
+Also a small command-line face used by the job script (sao_job.sbatch.in) (`python -m megatron_sao.platform.slurm
 node-ip|ports|hostnames`), so the job script needs no parsing of its own.
 """
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from megatron_sao.cli import main
-from megatron_sao.jobs.launch import check_container_paths
 from megatron_sao.platform.ray_cluster import check_nodes, worker_port_range
 from megatron_sao.platform.slurm import expand_hostlist, job_port_block, node_ip, parse_port_range
+from megatron_sao.platform.slurm_job import check_container_paths
 from megatron_sao.rollout.trajectory_io import write_parquet
 from tests.training.trajectories import random_trajectories
 
