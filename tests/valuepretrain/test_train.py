@@ -59,6 +59,7 @@ def test_heldout_evaluation_is_written(runs):
     assert report["bad_shards"] == [] and len(report["train_ranks"]) == 2
 
 
+@pytest.mark.slow  # a local Ray instance and one more pretraining run on top of the module's three
 @pytest.mark.timeout(900)
 def test_launcher_ray_runs_the_critics_ranks_on_ray(runs, generated, capfd):
     """launcher.ray=true places the two ranks as Ray actors (platform/launch.py, as `sao train`;
