@@ -123,8 +123,11 @@ def ray_placement(config: SaoConfig, with_engines: bool) -> RayPlacement:
     engines = config.rollout.num_engines if with_engines else 0
     placement = engine_placement(config)
     per_engine = config.rollout.sglang.tensor if gpu_engines else 1
+    # GPU bundles where this machine has GPUs, or where SGLang engines will need them; a run without
+    # engines (SFT, value pretraining) on a CPU box gets CPU bundles whatever rollout.engine says.
+    use_gpus = torch.cuda.is_available() or (gpu_engines and engines > 0)
     return RayPlacement(placement=placement, trainer_ranks=trainers, num_engines=engines,
-                        devices_per_engine=per_engine, use_gpus=torch.cuda.is_available() or gpu_engines)
+                        devices_per_engine=per_engine, use_gpus=use_gpus)
 
 
 def create_placement_group(placement: RayPlacement, timeout_s: float = 600.0) -> Any:
@@ -183,3 +186,14 @@ def make_rollout_actor(config: SaoConfig, run_dir: Any) -> Any:
 
     placement = ray_placement(config, with_engines=True)
     return RemoteRollout(config, run_dir, group, placement.rollout_bundle(), make_engine_supervisor(config))
+
+
+def ray_ranks_plan(config: SaoConfig, with_engines: bool) -> Any:
+    """`config`'s trainer ranks on Ray for `platform.launch.launch_ranks`: the placement (with the
+    engines' and rollout's bundles when `with_engines`) and how to reserve it."""
+    from functools import partial
+
+    from megatron_sao.platform.launch import RayRanksPlan
+
+    placement = ray_placement(config, with_engines=with_engines)
+    return RayRanksPlan(placement, partial(create_placement_group, placement))

@@ -1,4 +1,4 @@
-"""`sao convert {hf-to-mcore, mcore-to-hf, verify}`: the command-line face of this package.
+"""`sao convert {hf-to-mcore, mcore-to-hf, verify}`: the driver of the converters in `checkpointing/`.
 
 `add_convert_parser(subparsers)` registers the `convert` command on the `sao` parser; every leaf
 sub-command stores `func`, a callable taking the parsed namespace and returning the exit status
