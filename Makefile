@@ -49,8 +49,12 @@ test: setup
 test-slow: setup
 	$(PYTEST) -q -m slow --timeout=1800 tests
 
+# Lint: ruff, the import contracts of the package layers ([tool.importlinter] in pyproject.toml) and
+# mypy on the seams ([tool.mypy]). CI runs it (.ci/run).
 lint: setup
 	$(VENV)/bin/ruff check megatron_sao tests tools examples
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf runs .pytest_cache

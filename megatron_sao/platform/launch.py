@@ -70,8 +70,9 @@ class RayRanksPlan:
 def forward_to_children(signum: int, frame: Any) -> None:
     """The parent only waits: pass the signal on so that every local rank checkpoints and stops."""
     for child in multiprocessing.active_children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signum)
+        if child.pid is not None:  # started
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signum)
 
 
 @contextlib.contextmanager

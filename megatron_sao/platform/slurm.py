@@ -114,7 +114,7 @@ def node_ip(interface: str = "", hostname: str | None = None, allow_loopback: bo
     if interface:
         return interface_ip(interface)
     host = hostname or socket.gethostname()
-    candidates = [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)]
+    candidates = [str(info[4][0]) for info in socket.getaddrinfo(host, None, socket.AF_INET)]
     for ip in candidates:
         if not ipaddress.ip_address(ip).is_loopback:
             return ip
