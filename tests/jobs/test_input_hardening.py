@@ -398,6 +398,7 @@ def mcore_dir(tmp_path_factory, tiny_hf_dir) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_item8_verify_names_swapped_directories_and_a_config_that_disagrees_with_the_weights(
         tmp_path, tiny_hf_dir, mcore_dir, capfd):
     log = str(tmp_path / "log")

@@ -211,6 +211,8 @@ def _wait(address: str, env: dict[str, str], timeout_s: float) -> tuple[subproce
     return proc, time.monotonic() - start
 
 
+# Slow: the local instance with a token file present stays in the default suite.
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_item3_a_join_failure_says_authentication_or_unreachable(tmp_path, token_home):
     from megatron_sao.platform.distributed import free_port

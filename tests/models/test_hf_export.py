@@ -129,6 +129,7 @@ def test_single_rank_stream_matches_checkpoint_then_conversion(tiny_hf_dir, tmp_
     _check(result, tiny_hf_dir, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_expert_parallel_stream_matches_checkpoint_then_conversion(tiny_hf_dir, tmp_path):
     results = run_distributed(export_step_convert, 2, str(tiny_hf_dir), ["parallelism.expert=2"], str(tmp_path))

@@ -109,6 +109,8 @@ def test_stop_groups_ends_the_whole_tree():
 
 # ---- ranks (platform/spawn.py run_distributed) --------------------------------------------------
 
+# Slow: the killed-driver and killed-rank cases stay in the default suite.
+@pytest.mark.slow
 def test_rank_exiting_leaves_nothing(tmp_path):
     """Rank 0 exits (as one killed inside a checkpoint save does) while rank 1 waits: RankFailed,
     and neither rank nor the Manager server each one started (Megatron's torch_dist writer does)

@@ -44,6 +44,7 @@ def _crash_on_rank_one() -> None:
         raise RuntimeError("a bug on rank one")
 
 
+@pytest.mark.slow
 def test_an_internal_error_on_a_rank_keeps_its_traceback():
     with pytest.raises(RankFailed, match=r"rank 1 failed:(.|\n)*RuntimeError: a bug on rank one") as failed:
         run_distributed(_crash_on_rank_one, 2, timeout_s=120)
@@ -60,6 +61,7 @@ def test_backend_follows_the_machine():
     assert run_distributed(_backend, 1) == ["nccl" if torch.cuda.is_available() else "gloo"]
 
 
+@pytest.mark.slow
 def test_a_taken_rendezvous_port_is_retried_on_a_new_one(monkeypatch):
     """Another process binds the picked port before rank 0 does: the launch is repeated on a new
     port, and `fn` runs once."""
