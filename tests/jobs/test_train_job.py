@@ -62,7 +62,6 @@ def killed_and_resumed(tmp_path_factory, tiny_hf_dir, trajectories_file) -> dict
     return {"root": root, "code": code, "result": result}
 
 
-# Slow: tests/training/test_checkpoint.py checks bit-identical resume in the default suite.
 @pytest.mark.timeout(900)
 def test_kill_and_resume_is_exact(killed_and_resumed, tmp_path, tiny_hf_dir, trajectories_file):
     root = killed_and_resumed["root"]
