@@ -83,7 +83,7 @@ def check_model_files(config: SaoConfig) -> None:
 
 def check_outputs(config: SaoConfig) -> None:
     """The run directory and, when set apart, `checkpoint.dir` can be written."""
-    from megatron_sao.utils.run_logging import run_dir_of
+    from megatron_sao.training.run_dir import run_dir_of
 
     check_writable_dir(run_dir_of(config), "run directory (run.output_dir/run.name)")
     if config.checkpoint.dir:

@@ -34,7 +34,7 @@ def run_train_srun(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tupl
     from megatron_sao.jobs.preflight import check_train_job
     from megatron_sao.jobs.train import drive, train_rank
     from megatron_sao.platform.srun import run_srun
-    from megatron_sao.utils.run_logging import run_dir_of
+    from megatron_sao.training.run_dir import run_dir_of
 
     check_train_job(config, mode)
     run_dir = run_dir_of(config).resolve()
