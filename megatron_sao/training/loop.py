@@ -181,14 +181,15 @@ def _fit(trainer: StepTrainer, source: TrajectorySource, run: Run, on_step: OnSt
 
     metrics: dict[str, float] = {}
     saved_step, stopped = run.resume_step, False
-    with MetricsLogger(config, run.dir, run.resume_step) if rank0 else contextlib.nullcontext() as metrics_log:
+    with contextlib.ExitStack() as stack:
+        metrics_log = stack.enter_context(MetricsLogger(config, run.dir, run.resume_step)) if rank0 else None
         while trainer.state.step < total:
             metrics = trainer.train_step(source.next_batch(trainer))
             metrics.update(source.after_step(trainer))
             if on_step is not None:
                 metrics.update(on_step(trainer, metrics) or {})
             step = trainer.state.step
-            if rank0:
+            if metrics_log is not None:  # rank 0
                 if step % config.logging.log_every == 0 or step == total:
                     metrics_log.log(metrics, step=step)
                 logger.info("step %d/%d %s", step, total,

@@ -116,7 +116,7 @@ class HeldoutEvaluation:
     def evaluate(self, trainer: Any) -> Any:
         from megatron_sao.valuepretrain.evaluate import evaluate_heldout
 
-        if not self.heldout:
+        if not self.heldout or self.value_range is None:
             return None
         vp = self.config.value_pretrain
         result = evaluate_heldout(trainer.critic, self.heldout, critic_packing(self.config), self.source.dp_rank,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ class _ToyTrainer:
         self.batches: list[list[Any]] = []
         self.saves: list[tuple[int, dict[str, Any], bool]] = []
 
-    def train_step(self, trajectories: list[Any]) -> dict[str, float]:
+    def train_step(self, trajectories: Sequence[Any]) -> dict[str, float]:
         self.batches.append(list(trajectories))
         self.state.step += 1
         return {"actor/loss": float(sum(trajectories))}
@@ -148,7 +149,7 @@ def test_source_closed_when_a_step_raises(tmp_path, stop_handlers):
     run_dir.mkdir()
 
     class _Failing(_ToyTrainer):
-        def train_step(self, trajectories: list[Any]) -> dict[str, float]:
+        def train_step(self, trajectories: Sequence[Any]) -> dict[str, float]:
             raise RuntimeError("boom")
 
     source = _CountingSource()
