@@ -52,8 +52,8 @@ def roles_built(config: SaoConfig, mode: JobMode) -> list[str]:
 
 def check_weights_to_load(config: SaoConfig, mode: JobMode) -> None:
     """`actor.load` / `critic.load` of the roles the job builds name a checkpoint of that role
-    (`training.checkpoint_weights.resolve_weights_dir`: manifests only; the ranks check digests)."""
-    from megatron_sao.training.checkpoint_weights import resolve_weights_dir
+    (`training.checkpoint.weights.resolve_weights_dir`: manifests only; the ranks check digests)."""
+    from megatron_sao.training.checkpoint.weights import resolve_weights_dir
 
     for role in roles_built(config, mode):
         if path := getattr(config, role).load:

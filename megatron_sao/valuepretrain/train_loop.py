@@ -10,7 +10,7 @@ Targets, K, frozen groups and the NaN guard are the trainer's: Monte-Carlo retur
 The loop is `training.loop.fit`; this module holds what is value pretraining's own: the streamed
 source (`StreamedSource`) and the held-out evaluation hook (`HeldoutEvaluation`).
 
-The checkpoint (training/checkpoint.py layout) carries every data-parallel rank's stream position
+The checkpoint (training/checkpoint/ layout) carries every data-parallel rank's stream position
 in `trainer_state.json` under `data`, so a resume continues mid-epoch exactly; it needs the same
 data-parallel size (TP / PP / EP may change). Held-out evaluation every `value_pretrain.eval_every`
 steps and after the last one writes `calibration.json` (and one per step under `calibration/`);
