@@ -114,14 +114,16 @@ class HeldoutEvaluation:
         return out
 
     def evaluate(self, trainer: Any) -> Any:
+        from megatron_sao.training.trainer import role_packing
         from megatron_sao.valuepretrain.evaluate import evaluate_heldout
 
         if not self.heldout or self.value_range is None:
             return None
         vp = self.config.value_pretrain
-        result = evaluate_heldout(trainer.critic, self.heldout, critic_packing(self.config), self.source.dp_rank,
-                                  self.source.dp_size, self.config.algorithm.gamma, self.value_range,
-                                  vp.calibration_bins, trainer.state.step)
+        packing = role_packing(self.config, "critic")  # the trainer's rule: evaluation pads as training does
+        result = evaluate_heldout(trainer.critic, self.heldout, packing, self.source.dp_rank, self.source.dp_size,
+                                  self.config.algorithm.gamma, self.value_range, vp.calibration_bins,
+                                  trainer.state.step)
         if self.rank0:
             _write_json(self.run_dir / "calibration" / f"step_{result.step:07d}.json", result.to_dict())
             _write_json(self.run_dir / "calibration.json", result.to_dict())
@@ -189,17 +191,6 @@ def pretrain_rank(config: SaoConfig, run_dir: str, resume_from: str | None) -> d
     return {"step": result["step"], "stopped": result["stopped"], "metrics": result["metrics"],
             "heldout": last_eval.to_dict() if last_eval is not None else None,
             "skipped_rows": stream.report.num_skipped, "bad_shards": sorted(bad)}
-
-
-def critic_packing(config: SaoConfig) -> Any:
-    """The critic's micro-batch packing, as the trainer derives it (padding to TP under sequence parallel)."""
-    from megatron_sao.config.validate import sequence_parallel_enabled
-    from megatron_sao.training.batches import PackingConfig
-
-    critic = config.critic
-    return PackingConfig(micro_batch_size=critic.micro_batch_size,
-                         max_tokens_per_micro_batch=critic.max_tokens_per_micro_batch,
-                         pad_to_multiple_of=config.parallelism.tensor if sequence_parallel_enabled(config) else 1)
 
 
 def vars_of(problem: Any) -> dict[str, Any]:
