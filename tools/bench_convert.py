@@ -46,10 +46,10 @@ from megatron_sao.checkpointing.digest import DEFAULT as DEFAULT_DIGEST
 from megatron_sao.checkpointing.fastio.direct_io import hashing_file as direct_hashing_file
 from megatron_sao.checkpointing.fastio.direct_io import open_direct
 from megatron_sao.checkpointing.hashing_file import HashingFile
-from megatron_sao.checkpointing.hf_files import TORCH_TO_ST, expected_hf_tensors
 from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.checkpointing.output_dir import human_bytes
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from megatron_sao.models.hf_files import TORCH_TO_ST, expected_hf_tensors
 
 _READ_BLOCK = 16 * 1024 * 1024
 SHAPES = {

@@ -59,9 +59,9 @@ def warm_up(config_dir: Path) -> None:
     import megatron.core.dist_checkpointing  # noqa: F401
 
     from megatron_sao.checkpointing import dist_reader, dist_writer, hf_reader  # noqa: F401
-    from megatron_sao.checkpointing.hf_files import expected_hf_tensors
     from megatron_sao.models import build_model  # noqa: F401
     from megatron_sao.models.bridge_compat import import_auto_bridge
+    from megatron_sao.models.hf_files import expected_hf_tensors
 
     import_auto_bridge()
     expected_hf_tensors(config_dir)  # the family's transformers modeling code

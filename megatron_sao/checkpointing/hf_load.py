@@ -30,9 +30,9 @@ import torch
 
 from megatron_sao.checkpointing.fill_schedule import FillSchedule
 from megatron_sao.checkpointing.fill_tracker import FillTracker
-from megatron_sao.checkpointing.hf_files import HFCheckpoint
 from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.checkpointing.keys import unwrap
+from megatron_sao.models.hf_files import HFCheckpoint
 from megatron_sao.platform.collective import any_rank_flags, raise_if_any
 
 OnBytes = Callable[[int], None]

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_sao.checkpointing.hf_files import HFCheckpoint, TensorInfo
 from megatron_sao.models.bridge_compat import import_auto_bridge
+from megatron_sao.models.hf_files import HFCheckpoint, TensorInfo
 
 if TYPE_CHECKING:
     from megatron_sao.checkpointing.fastio.hf_direct import DirectTensorReads

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint
+from megatron_sao.models.hf_files import inspect_hf_checkpoint
 from megatron_sao.platform.collective import broadcast_tensor
 
 

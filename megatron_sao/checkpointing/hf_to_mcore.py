@@ -27,13 +27,6 @@ import torch
 
 from megatron_sao.checkpointing.families import Family, family_of
 from megatron_sao.checkpointing.fill_tracker import FillTracker
-from megatron_sao.checkpointing.hf_files import (
-    HFCheckpoint,
-    check_weights_match_config,
-    expected_hf_tensors,
-    inspect_hf_checkpoint,
-    is_weight_file,
-)
 from megatron_sao.checkpointing.hf_load import LoadSpec, float_state, load_hf_weights
 from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.checkpointing.keys import unwrap
@@ -60,6 +53,13 @@ from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from megatron_sao.models import critic_format as cf
 from megatron_sao.models.bridge_compat import load_auto_bridge
+from megatron_sao.models.hf_files import (
+    HFCheckpoint,
+    check_weights_match_config,
+    expected_hf_tensors,
+    inspect_hf_checkpoint,
+    is_weight_file,
+)
 from megatron_sao.platform.collective import barrier, broadcast_object, gather_objects, rank, world_size
 
 

@@ -34,14 +34,6 @@ from pathlib import Path
 import torch
 
 from megatron_sao.checkpointing.families import Family, family_of
-from megatron_sao.checkpointing.hf_files import (
-    ST_TO_TORCH,
-    TORCH_TO_ST,
-    expected_hf_tensors,
-    is_weight_file,
-    read_config,
-    read_safetensors_header,
-)
 from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.checkpointing.manifest import (
     HF_DIR,
@@ -75,6 +67,14 @@ from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWr
 from megatron_sao.checkpointing.verified_load import VerifiedLoad
 from megatron_sao.models import critic_format as cf
 from megatron_sao.models.hf_export import HFWeightExporter, OwnedTensor
+from megatron_sao.models.hf_files import (
+    ST_TO_TORCH,
+    TORCH_TO_ST,
+    expected_hf_tensors,
+    is_weight_file,
+    read_config,
+    read_safetensors_header,
+)
 from megatron_sao.platform.collective import (
     barrier,
     broadcast_object,

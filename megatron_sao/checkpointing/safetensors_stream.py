@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megatron_sao.checkpointing.hf_files import INDEX_FILE, ST_TO_TORCH, TORCH_TO_ST
+from megatron_sao.models.hf_files import INDEX_FILE, ST_TO_TORCH, TORCH_TO_ST
 
 
 def natural_key(name: str) -> list[object]:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint, read_config
 from megatron_sao.checkpointing.manifest import HF_DIR, check_files, read_manifest
 from megatron_sao.checkpointing.mcore_io import load_model
 from megatron_sao.checkpointing.model_setup import Layout, Role, build_for_conversion, conversion_config
 from megatron_sao.models import critic_format as cf
+from megatron_sao.models.hf_files import inspect_hf_checkpoint, read_config
 from megatron_sao.platform.collective import broadcast_object, broadcast_tensor, raise_if_any, rank, world_size
 from megatron_sao.platform.device import compute_device
 
@@ -76,7 +76,7 @@ def forward_outputs(chunks: list[torch.nn.Module], tokens_bt: torch.Tensor) -> t
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_sao.models.outputs import position_ids_for
-    from megatron_sao.training.context_parallel import cp_group, gather_sequence, split_sequence
+    from megatron_sao.platform.context_parallel import cp_group, gather_sequence, split_sequence
 
     tokens_bt = tokens_bt.to(compute_device())
     local = split_sequence({"ids": tokens_bt, "positions": position_ids_for(tokens_bt)}, cp_group())

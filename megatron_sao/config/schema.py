@@ -255,7 +255,7 @@ class WeightSyncConfig:
     CUDA IPC handles of trainer rank 0's GPU, so its engines must be on rank 0's node), a process
     group between trainer rank 0 and the engines (disaggregated; NCCL on GPU, gloo on CPU), or
     safetensors files the engines load (fallback). auto: tensor for colocated SGLang engines and
-    for CPU engines, distributed for disaggregated SGLang engines (planning/placement.py)."""
+    for CPU engines, distributed for disaggregated SGLang engines (config/placement.py)."""
     bucket_mb: int = 512
     """Weights travel in buckets of at most this many MiB (peak extra memory of a sync)."""
     every_n_steps: int = 1

@@ -108,9 +108,9 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
 
 def _check_engine_layout(config: SaoConfig, source: str) -> None:
     """SGLang engine layouts that cannot work (weight-sync mode x placement, engines on other
-    nodes without Ray, DP attention): `planning.placement.check_engine_layout`, read lazily
-    (planning imports this module)."""
-    from megatron_sao.planning.placement import check_engine_layout
+    nodes without Ray, DP attention): `config.placement.check_engine_layout`, imported here
+    because that module imports this one (`trainer_world_size`)."""
+    from megatron_sao.config.placement import check_engine_layout
 
     try:
         check_engine_layout(config)

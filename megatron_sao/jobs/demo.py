@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
-from megatron_sao.rollout.envs.calc import CALC_TIERS, CalcTier
+from megatron_sao.rollout.envs.calc import CalcTier
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,11 @@ class DemoPlan:
     teacher: Any = None
     """The SFT demonstration writer, `(sample, observations) -> action`; None: `calc.oracle_action`
     (`sao online` passes `calc_shift.mixed_oracle`, demonstrations in both styles)."""
-    calc_tiers: tuple[CalcTier, ...] | None = CALC_TIERS
-    """Difficulty tiers of the prompts (training, held-out): success depends on the prompt, so the
-    critic has something to predict; None: the original two-operand problems."""
+    calc_tiers: tuple[CalcTier, ...] | None = None
+    """Difficulty tiers of the prompts (training, held-out; e.g. `calc.CALC_TIERS`): success then
+    depends on the prompt, so the critic has something to predict. None (the demo's default): the
+    two-operand problems its documented results were measured on; `sao study` uses the tiers. The
+    demo moves to tiers once runs over seeds show SAO beating SFT there (issue 31)."""
     demonstration_tiers: tuple[CalcTier, ...] | None = None
     """Tiers of the SFT demonstrations (None: `calc_tiers`); fewer leaves the others to RL."""
 
@@ -229,10 +231,10 @@ class Prepared:
 def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     """Stages 1-3 of the demo (model, conversion, SFT, value pretraining), each skipped when its
     output exists: `sao demo` and `sao online` start RL from here."""
-    from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint
     from megatron_sao.jobs.train import run_train
     from megatron_sao.jobs.value_pretrain import run_pretrain
     from megatron_sao.models.build import prepare_hf_checkpoint
+    from megatron_sao.models.hf_files import inspect_hf_checkpoint
     from megatron_sao.utils.progress import stage_progress
     from megatron_sao.valuepretrain.generate import run_generate
 

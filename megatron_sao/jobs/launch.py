@@ -165,7 +165,7 @@ def engine_component(config, args: argparse.Namespace, gpus: int) -> tuple[int, 
         if args.engine_nodes is not None:
             raise ValueError("--engine-nodes needs --engine-partition (the partition the engine nodes come from)")
         return 0, []
-    from megatron_sao.planning.placement import gpu_layout
+    from megatron_sao.config.placement import gpu_layout
 
     nodes = args.engine_nodes if args.engine_nodes is not None else gpu_layout(config).engine_nodes
     if nodes < 1 or nodes >= config.launcher.nnodes:

@@ -35,9 +35,9 @@ def check_recipe_layout(config: Any, source: str) -> dict[str, Any]:
     (heads / TP, experts / EP, EP on a dense model, layers / PP), and more GPUs than the nodes have.
     Returns the HF config; ConfigError / ValueError naming the file, field or key."""
     from megatron_sao.checkpointing.families import family_of
+    from megatron_sao.config.placement import gpu_layout
     from megatron_sao.config.validate import validate_against_model
     from megatron_sao.planning import load_hf_config
-    from megatron_sao.planning.placement import gpu_layout
 
     hf = load_hf_config(config.model)
     where = str(Path(config.model.hf_path) / "config.json") if config.model.hf_path else "the tiny model's config"

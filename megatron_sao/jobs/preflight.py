@@ -64,7 +64,7 @@ def check_model_files(config: SaoConfig) -> None:
     """`model.hf_path` is what the job builds its models from: a directory with config.json, and
     with weights when `model.load_weights` (megatron-bridge loads them into every role, before a
     `<role>.load` replaces them). A tiny checkpoint (`model.build_tiny`) is built by the job."""
-    from megatron_sao.checkpointing.hf_files import INDEX_FILE
+    from megatron_sao.models.hf_files import INDEX_FILE
 
     model = config.model
     if model.build_tiny:

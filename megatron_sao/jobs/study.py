@@ -171,10 +171,11 @@ def add_study_parser(subparsers: Any) -> None:
 
     def run(args: argparse.Namespace) -> int:
         from megatron_sao.config import load_config
+        from megatron_sao.rollout.envs.calc import CALC_TIERS
 
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-        plan = DemoPlan(num_heldout_prompts=args.heldout_prompts, sft_steps=args.sft_steps,
+        plan = DemoPlan(calc_tiers=CALC_TIERS, num_heldout_prompts=args.heldout_prompts, sft_steps=args.sft_steps,
                         value_steps=args.value_steps)
         command = "sao study " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("study") + 1:]) \
             if "study" in sys.argv else "sao study " + args.recipe

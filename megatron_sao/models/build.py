@@ -106,7 +106,7 @@ def model_architecture(config: SaoConfig) -> dict[str, int]:
 def model_vocab_size(config: SaoConfig) -> int:
     """Rows of the model's token embedding (`vocab_size` of its config.json, or of the tiny model it
     builds): a token id must be below it. The checkpoint is built first when it is a tiny one."""
-    from megatron_sao.checkpointing.hf_files import read_config
+    from megatron_sao.models.hf_files import read_config
 
     hf_path = prepare_hf_checkpoint(config.model, seed=config.run.seed)
     hf_config = read_config(hf_path)

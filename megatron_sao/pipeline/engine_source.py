@@ -45,8 +45,8 @@ class EngineSource:
         self._sync_failures = 0
         # Colocated: engines and trainers time-share the devices (engines release their memory
         # while the trainer steps); disaggregated: generation stops only for weight updates.
-        # `auto` resolves as everywhere else (planning.placement.engine_placement).
-        from megatron_sao.planning.placement import engine_placement
+        # `auto` resolves as everywhere else (config.placement.engine_placement).
+        from megatron_sao.config.placement import engine_placement
 
         self.colocated = engine_placement(config) == "colocated"
         self._wait_s = 0.0
@@ -212,8 +212,8 @@ class EngineSource:
         return metrics
 
     def _settings(self) -> Any:
+        from megatron_sao.config.placement import weight_sync_mode
         from megatron_sao.pipeline.weight_sync import WeightSyncConfig
-        from megatron_sao.planning.placement import weight_sync_mode
 
         ws = self.config.rollout.weight_sync
         return WeightSyncConfig(mode=weight_sync_mode(self.config), bucket_mb=ws.bucket_mb,

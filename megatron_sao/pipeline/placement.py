@@ -17,7 +17,7 @@ both, with engines: the last bundle      {CPU: 1}: the rollout actor (agent loop
                                          ready buffer, prompt stream; `pipeline/rollout_actor.py`)
 ```
 
-`auto` resolves as `sao plan` does (`planning.placement.gpu_layout`): colocated when the trainers
+`auto` resolves as `sao plan` does (`config.placement.gpu_layout`): colocated when the trainers
 take every GPU of the allocation, disaggregated otherwise; CPU engines are disaggregated unless
 the recipe says colocated.
 
@@ -111,8 +111,8 @@ def ray_placement(config: SaoConfig, with_engines: bool) -> RayPlacement:
     """The placement of `config`'s trainer ranks and (when `with_engines`) its rollout engines."""
     import torch
 
+    from megatron_sao.config.placement import engine_placement
     from megatron_sao.config.validate import trainer_world_size
-    from megatron_sao.planning.placement import engine_placement
 
     trainers = trainer_world_size(config)
     gpu_engines = config.rollout.engine == "sglang"

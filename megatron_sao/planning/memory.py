@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_sao.config.placement import GpuLayout, gpu_layout
 from megatron_sao.config.schema import RoleConfig, SaoConfig
 from megatron_sao.config.validate import expert_tensor_size, trainer_world_size
 from megatron_sao.planning.gpus import GIB, GpuSpec
 from megatron_sao.planning.params import GROUPS, ModelCensus
-from megatron_sao.planning.placement import GpuLayout, gpu_layout
 
 RUNTIME_OVERHEAD_GIB = 3.0
 GRAD_BYTES = 4

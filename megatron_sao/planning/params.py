@@ -178,8 +178,8 @@ def _described(value: Any) -> str:
 def load_hf_config(model: Any) -> dict[str, Any]:
     """The HF config dict of `model` (a ModelConfig): its `config.json`, or the tiny config it
     would build, with the recipe's architecture overrides applied."""
-    from megatron_sao.checkpointing.hf_files import read_config
     from megatron_sao.models.build import ARCH_OVERRIDES, arch_overrides
+    from megatron_sao.models.hf_files import read_config
 
     path = Path(model.hf_path) if model.hf_path else None
     if path is not None and (path / "config.json").is_file():

@@ -34,7 +34,7 @@ def engine_config_from(config: SaoConfig, model_path: str | None = None, routing
     `--enable-memory-saver` (without it `release_memory_occupation` frees nothing); engines of a
     disaggregated run started outside Ray begin after the GPUs trainer ranks take on rank 0's node
     (`--base-gpu-id`; on Ray each engine host starts at the GPU Ray gave it)."""
-    from megatron_sao.planning.placement import engine_placement, trainer_gpus_on_first_node
+    from megatron_sao.config.placement import engine_placement, trainer_gpus_on_first_node
 
     rollout = config.rollout
     sglang = rollout.engine == "sglang"

@@ -21,35 +21,23 @@ context-parallel group (`finalize_model_grads`, `calculate_per_token_loss`) and 
 the replicated parameters over the same group (DDP), so the step equals the CP = 1 step. Metric
 sums are added over that group too (`steps.reduce_sums`).
 
-`gather_sequence` is the inverse cut, for outputs that whole-trajectory computations need (the
-critic's values for GAE, recomputed log-probs): all-gathered over the CP group, back in sequence
-order. Values are one float per token, so every CP rank gathers all of them and runs GAE on the
-whole trajectory (O(T) floats per rank, nothing next to the activations): exchanging only the
-values at action/observation boundaries would save those few bytes at the price of a recursion
-carried rank to rank.
-"""
+`gather_sequence` (platform/context_parallel.py, with `split_sequence`) is the inverse cut, for
+outputs that whole-trajectory computations need (the critic's values for GAE, recomputed log-
+probs): all-gathered over the CP group, back in sequence order. Values are one float per token, so
+every CP rank gathers all of them and runs GAE on the whole trajectory (O(T) floats per rank,
+nothing next to the activations): exchanging only the values at action/observation boundaries would
+save those few bytes at the price of a recursion carried rank to rank. """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_sao.platform.context_parallel import split_sequence
+
 MicroBatch = dict[str, torch.Tensor]
 
 LABEL_ALIGNED = ("loss_mask", "rollout_logprobs", "advantages", "old_logprobs", "returns", "old_values")
 """Token-aligned micro-batch keys the losses read, realigned as `label_<key>`."""
-
-
-def cp_group():
-    """The context-parallel process group, or None when CP = 1."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_context_parallel_group()
-
-
-def _cp_size(group) -> int:
-    return 1 if group is None else torch.distributed.get_world_size(group)
 
 
 def label_positions(token_aligned_bt: torch.Tensor) -> torch.Tensor:
@@ -66,39 +54,6 @@ def token_positions(label_aligned_bt: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(label_aligned_bt)
     out[:, 1:] = label_aligned_bt[:, :-1]
     return out
-
-
-def split_sequence(batch: dict[str, torch.Tensor], group=None) -> dict[str, torch.Tensor]:
-    """Every `[b, t, ...]` tensor of `batch` cut to this CP rank's chunks (a new dict)."""
-    if _cp_size(group) == 1:
-        return dict(batch)
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    length = next(iter(batch.values())).shape[1]
-    if length % (2 * _cp_size(group)):
-        raise ValueError(f"sequence length {length} is not a multiple of 2 x CP = {2 * _cp_size(group)} "
-                         "(micro-batches are padded to one: training/trainer.py _pad_multiple)")
-    # Megatron-Core 0.19.2 megatron/core/utils.py: without `cu_seqlens` every tensor is cut
-    # per sequence (`_get_batch_on_this_cp_rank_per_sequence_balancing`), along dim 1.
-    return get_batch_on_this_cp_rank({k: v.contiguous() for k, v in batch.items()}, is_hybrid_cp=False,
-                                     cp_group=group)
-
-
-def gather_sequence(local: torch.Tensor, group=None) -> torch.Tensor:
-    """Inverse of `split_sequence` for one `[b, t_local, ...]` tensor: the whole `[b, t, ...]` in
-    sequence order on every CP rank (collective over the CP group; no gradient)."""
-    cp = _cp_size(group)
-    if cp == 1:
-        return local
-    chunk = local.shape[1] // 2
-    # Ranks concatenated along dim 0 (the form every backend accepts, gloo included).
-    gathered = torch.empty((cp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-    torch.distributed.all_gather_into_tensor(gathered, local.detach().contiguous(), group=group)
-    by_rank = gathered.view(cp, local.shape[0], 2, chunk, *local.shape[2:])
-    chunks = [None] * (2 * cp)
-    for rank in range(cp):
-        chunks[rank], chunks[2 * cp - 1 - rank] = by_rank[rank, :, 0], by_rank[rank, :, 1]
-    return torch.cat(chunks, dim=1)
 
 
 def model_batch(mb: MicroBatch, group=None) -> MicroBatch:

@@ -23,9 +23,10 @@ import torch
 
 from megatron_sao.algo import dis_policy_loss, explained_variance_moments, ppo_clip_policy_loss, value_loss
 from megatron_sao.config.schema import AlgorithmConfig
+from megatron_sao.platform.context_parallel import cp_group, gather_sequence
 from megatron_sao.platform.device import compute_device
 from megatron_sao.training.batches import MicroBatch
-from megatron_sao.training.context_parallel import cp_group, gather_sequence, model_batch
+from megatron_sao.training.context_parallel import model_batch
 from megatron_sao.training.forward_backward import broadcast_from_last_stage, run_forward_backward
 from megatron_sao.training.grad_norms import grad_sq_norms_by_group
 from megatron_sao.training.logits import LabelOutputsRequest, label_outputs_processor

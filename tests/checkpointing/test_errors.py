@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from megatron_sao.checkpointing.digest import digest_file
-from megatron_sao.checkpointing.hf_files import inspect_hf_checkpoint
 from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, plan_hf_to_mcore
 from megatron_sao.checkpointing.manifest import check_files, read_manifest
 from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mcore_to_hf, plan_mcore_to_hf
 from megatron_sao.checkpointing.output_dir import TMP_MARKER, disk_full_as_value_error
 from megatron_sao.models import critic_format as cf
+from megatron_sao.models.hf_files import inspect_hf_checkpoint
 from megatron_sao.platform import RankFailed, run_distributed
 from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 from tests.checkpointing._helpers import rewrite_tensors, split_into_shards

@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_sao.checkpointing.hf_files import HFCheckpoint, TensorInfo
 from megatron_sao.checkpointing.hf_load import LoadSpec, _check_tasks, float_state
 from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, plan_hf_to_mcore
 from megatron_sao.checkpointing.output_dir import TMP_MARKER, disk_full_as_value_error, report_leftovers
+from megatron_sao.models.hf_files import HFCheckpoint, TensorInfo
 from megatron_sao.platform import run_distributed
 from megatron_sao.utils.console import EXIT_CHECK_FAILED, EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, run_command
 from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from megatron_sao.checkpointing.hf_files import TORCH_TO_ST
+from megatron_sao.models.hf_files import TORCH_TO_ST
 from tests.checkpointing._helpers import all_tensors, differences, ok
 from tests.checkpointing._jobs import layout_name
 from tests.checkpointing.conftest import (

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_sao.checkpointing.hashing_file import HashingFile
-from megatron_sao.checkpointing.hf_files import HFCheckpoint
 from megatron_sao.checkpointing.manifest import Manifest, checksum_share
+from megatron_sao.models.hf_files import HFCheckpoint
 from tests.checkpointing._helpers import safetensors_reference as _reference
 from tests.checkpointing._helpers import small_hf_checkpoint
 

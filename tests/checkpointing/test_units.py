@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from megatron_sao.checkpointing.convert_cli import _size, add_convert_parser
 from megatron_sao.checkpointing.families import family_of
-from megatron_sao.checkpointing.hf_files import HFCheckpoint, TensorInfo
 from megatron_sao.checkpointing.hf_load import LoadSpec, _check_tasks
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec, plan_shards
 from megatron_sao.models import critic_format as cf
+from megatron_sao.models.hf_files import HFCheckpoint, TensorInfo
 
 
 def _checkpoint(**tensors: str) -> HFCheckpoint:
@@ -189,7 +189,7 @@ def test_critic_config_round_trips_to_the_causal_config():
 
 
 def test_weight_files_and_indexes_are_never_copied_as_side_files():
-    from megatron_sao.checkpointing.hf_files import is_weight_file
+    from megatron_sao.models.hf_files import is_weight_file
 
     assert all(is_weight_file(n) for n in ("model-00001-of-00002.safetensors", "model.safetensors.index.json",
                                            "pytorch_model.bin", "consolidated.pth"))

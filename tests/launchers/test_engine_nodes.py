@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_sao.config import load_config
-from megatron_sao.planning.placement import gpu_layout
+from megatron_sao.config.placement import gpu_layout
 from megatron_sao.platform.engine_nodes import PORTS_PER_ENGINE, place_engines, sglang_node_commands
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -54,7 +54,7 @@ def _logits_under_cp(hf_dirs: dict[str, str]) -> dict[str, float]:
     from megatron_sao.models import build_model
     from megatron_sao.models.outputs import position_ids_for
     from megatron_sao.platform import init_model_parallel
-    from megatron_sao.training.context_parallel import cp_group, gather_sequence, split_sequence
+    from megatron_sao.platform.context_parallel import cp_group, gather_sequence, split_sequence
 
     cp = dist.get_world_size()
     diffs = {}

@@ -37,6 +37,26 @@ def test_replayed_step_matches_single_process(layout, reference, tiny_hf_dir):
     assert got["moe/replay_rank_mb_max"] < 0.75 * ref["moe/replay_rank_mb_max"]
 
 
+CP_LAYOUTS = {"cp2": (2, ["parallelism.context=2"]),
+              "cp2_tp2": (4, ["parallelism.context=2", "parallelism.tensor=2"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_replayed_step_under_context_parallelism_matches_single_process(layout, reference, tiny_hf_dir):
+    """Each CP rank's routers see its two chunks of the sequence: the routing rank 0 cuts for it
+    (routing_shards.py) must reach them through the CP micro-batch view (training/context_parallel.py)."""
+    world, overrides = CP_LAYOUTS[layout]
+    results = run_distributed(replay_step, world, str(tiny_hf_dir), [*PACKING, *overrides], ROUTING_SEED)
+    ref, got = reference["metrics"], results[0]["metrics"]
+    for key in ("actor/loss", "actor/grad_norm", "critic/value_loss", "rollout/logprob_abs_diff_mean",
+                "moe/routing_agreement", "moe/replay_missing_frac"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), key
+    for role in ("actor", "critic"):
+        worst = max(float((results[0][role][k] - reference[role][k]).abs().max()) for k in reference[role])
+        assert worst <= 1e-6, f"{role} parameters differ by {worst} in {layout}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["single", "pp2"])
 def test_recomputed_layers_replay_their_own_micro_batch(layout, reference, tiny_hf_dir):

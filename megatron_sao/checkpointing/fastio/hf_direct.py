@@ -17,7 +17,7 @@ import torch
 
 from megatron_sao.checkpointing.fastio.direct_io import open_direct, pread_whole_blocks
 from megatron_sao.checkpointing.fastio.read_buffers import ReadBuffers
-from megatron_sao.checkpointing.hf_files import HFCheckpoint, TensorInfo
+from megatron_sao.models.hf_files import HFCheckpoint, TensorInfo
 
 
 class DirectTensorReads:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sao.checkpointing.hf_files import HFCheckpoint
 from megatron_sao.checkpointing.hf_reader import PrefetchingSource
+from megatron_sao.models.hf_files import HFCheckpoint
 from tests.checkpointing._helpers import refuse_direct_io, small_hf_checkpoint
 from tests.checkpointing._helpers import safetensors_reference as _reference
 
