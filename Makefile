@@ -29,9 +29,11 @@ demo-engine: setup
 	$(VENV)/bin/sao train recipes/tiny_cpu_engine.yaml
 
 # The agent gateway's worked example: a small SWE agent (openai client, bash tool in the sandbox)
-# trained a few steps through the gateway on the tiny model (docs/gateway.md#worked-example).
+# trained a few steps through the gateway on the tiny model (docs/gateway.md#worked-example). Its
+# programs live in examples/, outside the library: the repository root goes on the import path.
+demo-swe: export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 demo-swe: setup
-	$(VENV)/bin/python -m megatron_sao.rollout.gateway.examples.swe_tasks --out checkpoints/swe/train.jsonl --num 256
+	$(VENV)/bin/python -m examples.swe_agent.swe_tasks --out checkpoints/swe/train.jsonl --num 256
 	$(VENV)/bin/sao train recipes/tiny_cpu_swe.yaml
 
 # Online mode: a reward that shifts in three phases; SAO's critic vs a running-mean baseline,
@@ -47,8 +49,12 @@ test: setup
 test-slow: setup
 	$(PYTEST) -q -m slow --timeout=1800 tests
 
+# Lint: ruff, the import contracts of the package layers ([tool.importlinter] in pyproject.toml) and
+# mypy on the seams ([tool.mypy]). CI runs it (.ci/run).
 lint: setup
-	$(VENV)/bin/ruff check megatron_sao tests tools
+	$(VENV)/bin/ruff check megatron_sao tests tools examples
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf runs .pytest_cache

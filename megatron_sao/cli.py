@@ -17,23 +17,8 @@ from collections.abc import Sequence
 
 import yaml
 
+from megatron_sao.jobs.args import add_recipe_args, load_recipe
 from megatron_sao.utils.args import SaoArgumentParser
-
-OVERRIDES_HELP = ("dotted overrides of recipe values, e.g. actor.optim.lr=2e-6 parallelism.tensor=2 "
-                  "critic.frozen=[attention,router]; see `sao config describe`")
-
-
-def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML file (see recipes/)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
-    parser.add_argument("--log-file", help="where third-party output of the checks before the run goes (default: a "
-                                           "new file in the temp directory); -v keeps it on the terminal")
-
-
-def _load(args: argparse.Namespace):
-    from megatron_sao.config import load_config
-
-    return load_config(args.recipe, args.overrides)
 
 
 def _run_training(args: argparse.Namespace, mode: str) -> int:
@@ -55,8 +40,8 @@ def _run_training(args: argparse.Namespace, mode: str) -> int:
         # the terminal it started with, which is where the summary goes).
         quiet = not args.verbose and console_out() is sys.stdout
         with quiet_output(default_log_path(f"{args.command}-dry-run")) if quiet else contextlib.nullcontext():
-            return dry_run(_load(args), args.recipe, args.overrides, mode, console_out(), console_err())
-    code, result, run_dir = run_train(_load(args), mode=mode)
+            return dry_run(load_recipe(args), args.recipe, args.overrides, mode, console_out(), console_err())
+    code, result, run_dir = run_train(load_recipe(args), mode=mode)
     metrics = result.get("metrics") or {}
     shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in ("actor/loss", "critic/value_loss", "critic/explained_variance",
                                                           "train/reward_mean") if k in metrics)
@@ -76,7 +61,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _cmd_config_show(args: argparse.Namespace) -> int:
     from megatron_sao.config.loader import config_to_dict
 
-    print(yaml.safe_dump(config_to_dict(_load(args)), sort_keys=False), end="")
+    print(yaml.safe_dump(config_to_dict(load_recipe(args)), sort_keys=False), end="")
     return 0
 
 
@@ -115,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "metrics.jsonl, wandb (offline) and checkpoints/iter_NNNNNNN/ into run.output_dir/run.name; "
                     "resumes from the latest checkpoint there (checkpoint.resume=auto). SIGTERM/SIGINT: "
                     "checkpoint, then exit 143.")
-    _add_recipe_args(train)
+    add_recipe_args(train)
     train.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     train.set_defaults(func=_cmd_train, quiet_log="until_started")
 
@@ -125,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "run.total_steps steps of data.batch_size trajectories; same run directory, checkpoint "
                     "layout and resume rules as `sao train`. RL starts from the result with "
                     "actor.load=RUN_DIR/checkpoints.")
-    _add_recipe_args(sft)
+    add_recipe_args(sft)
     sft.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     sft.set_defaults(func=_cmd_sft, quiet_log="until_started")
 
@@ -135,14 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the fully resolved config of a recipe + overrides",
                                  description="Load, type-check and validate a recipe with overrides; "
                                              "print the resolved config as YAML.")
-    _add_recipe_args(show)
+    add_recipe_args(show)
     show.set_defaults(func=_cmd_config_show)
     describe = config_sub.add_parser("describe", help="list config keys with types, defaults and docs",
                                      description="List config keys with their types, defaults and docs.")
     describe.add_argument("section", nargs="?", help="a section (e.g. critic) or key (e.g. algorithm.eps_low)")
     describe.set_defaults(func=_cmd_config_describe)
 
-    from megatron_sao.checkpointing.convert_cli import add_convert_parser
+    from megatron_sao.jobs.convert import add_convert_parser
     from megatron_sao.jobs.demo import add_demo_parser
     from megatron_sao.jobs.launch import add_launch_parser
     from megatron_sao.jobs.plan import add_plan_parser

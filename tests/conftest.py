@@ -29,6 +29,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Qwen3-MoE HF checkpoint (2 layers, 4 experts), built once per session."""
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
     return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)

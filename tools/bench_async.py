@@ -61,7 +61,7 @@ def stop_tuned_checkpoint(out_dir: Path, stop_prob: float, seed: int = 0) -> Pat
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
     if not 0 < stop_prob < 1:
         raise ValueError(f"--stop-prob must be in (0, 1), got {stop_prob}")

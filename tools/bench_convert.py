@@ -74,7 +74,7 @@ def _layer_bytes(dtype: torch.dtype) -> int:
 
 def write_synthetic_checkpoint(directory: Path, size_bytes: float, dtype: torch.dtype, seed: int = 0) -> int:
     """A random Qwen3-MoE-shaped HF checkpoint of about `size_bytes`; returns its tensor bytes."""
-    from megatron_sao.utils.tiny_hf import build_tiny_tokenizer, tiny_hf_config
+    from megatron_sao.models.tiny_hf import build_tiny_tokenizer, tiny_hf_config
 
     layers = max(2, round(size_bytes / _layer_bytes(dtype)))
     config = tiny_hf_config("qwen3_moe", num_hidden_layers=layers, **_LAYER_SHAPE)

@@ -101,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sao_bench_") as tmp:
         model = args.model
         if model is None:
-            from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+            from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
             model = str(build_tiny_hf_checkpoint(Path(tmp) / "tiny"))
         config = EngineConfig(

@@ -103,8 +103,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
     from megatron_sao.platform import run_distributed
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = build_tiny_hf_checkpoint(Path(tmp) / "hf", seed=0, num_hidden_layers=4, hidden_size=128,

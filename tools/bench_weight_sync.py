@@ -42,13 +42,14 @@ def bench_worker(hf_dir: str, overrides: list[str], modes: list[str], bucket_mb:
     import torch.distributed as dist
 
     from megatron_sao.config import load_config
+    from megatron_sao.config.schema import WeightSyncConfig
+    from megatron_sao.cpu_engine import CPUEngineConfig, ServerThread
     from megatron_sao.models import build_model
     from megatron_sao.models.hf_export import HFWeightExporter
-    from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig
+    from megatron_sao.pipeline.weight_sync import WeightSync
     from megatron_sao.platform import init_model_parallel
     from megatron_sao.platform.distributed import free_port
     from megatron_sao.rollout.client import EngineClient
-    from megatron_sao.rollout.cpu_engine import CPUEngineConfig, ServerThread
 
     rank = dist.get_rank()
     config = load_config(None, [f"model.hf_path={hf_dir}", "model.dtype=float32", "logging.param_table=false",
@@ -85,7 +86,7 @@ def bench_worker(hf_dir: str, overrides: list[str], modes: list[str], bucket_mb:
     version = 0
     try:
         for mode in modes:
-            sync = WeightSync(exporter, WeightSyncConfig(mode=mode, bucket_mb=bucket_mb, disk_dir=f"{work}/disk"))
+            sync = WeightSync(exporter, WeightSyncConfig(mode=mode, bucket_mb=bucket_mb), disk_dir=f"{work}/disk")
             version += 1
             sync.sync(version, clients)  # untimed: opens the group, warms the engine
             reports = []
@@ -119,8 +120,8 @@ def main() -> None:
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
 
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
     from megatron_sao.platform import run_distributed
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="sao-bench-sync-") as tmp:
         heads = max(1, args.hidden_size // 64)

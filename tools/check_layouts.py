@@ -16,8 +16,8 @@ LAYOUTS = {"tp2_sp": ["parallelism.tensor=2"], "ep2": ["parallelism.expert=2"], 
 
 
 def main() -> None:
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
     from megatron_sao.platform import run_distributed
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
     from tests.models.layout_worker import run_layout
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,4 @@
-"""Write recorded trajectories of the scripted calculator task (megatron_sao/utils/scripted_trajectories.py)
+"""Write recorded trajectories of the scripted calculator task (megatron_sao/rollout/scripted_trajectories.py)
 for recorded-trajectory training, its tests and the CPU demo.
 
     python tools/make_scripted_trajectories.py --hf HF_DIR --out FILE.parquet --num 256 --seed 0
@@ -48,7 +48,7 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
     if not (hf / "config.json").is_file():
         if not args.build_tiny:
             raise ValueError(f"--hf {hf}: no config.json there; pass --build-tiny to build a tiny checkpoint")
-        from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+        from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
         build_tiny_hf_checkpoint(hf, family=args.tiny_family, seed=args.tiny_seed)
     return hf.resolve()
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num < 1 or args.group_size < 1 or args.num % args.group_size:
         parser.error(f"--num ({args.num}) must be a positive multiple of --group-size ({args.group_size})")
 
-    from megatron_sao.utils import scripted_trajectories
+    from megatron_sao.rollout import scripted_trajectories
 
     try:
         hf_dir = resolve_checkpoint(args)

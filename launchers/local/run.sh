@@ -1,5 +1,5 @@
 #!/bin/bash
-# megatron-sao on one machine without Slurm: the Slurm job's flow (launchers/slurm/) minus srun.
+# megatron-sao on one machine without Slurm: the Slurm job's flow (megatron_sao/platform/sao_job.sbatch.in) minus srun.
 # A one-node Ray cluster on 127.0.0.1 with ports from this process's own block, the join
 # barrier, the driver, Ray torn down, the driver's exit code returned. Run by `sao launch local`.
 # Usage: run.sh RESOLVED_CONFIG.yaml PYTHON "SAO_COMMAND" CPUS

@@ -2,7 +2,7 @@
 
 Entry points (imported from their modules, so `import megatron_sao.checkpointing` stays cheap):
 - `hf_to_mcore.convert_hf_to_mcore` / `mcore_to_hf.convert_mcore_to_hf` / `verify.verify`:
-  collective functions behind `sao convert {hf-to-mcore, mcore-to-hf, verify}` (`convert_cli`);
+  collective functions behind `sao convert {hf-to-mcore, mcore-to-hf, verify}` (`jobs/convert.py`);
 - `keys.model_state`: the keys model weights are saved under, by conversion and training alike, so
   that converted checkpoints and training checkpoints are the same thing, in any layout (the one
   module of this package training uses for its weights);

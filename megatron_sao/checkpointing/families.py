@@ -17,7 +17,7 @@ class Family:
     architecture: str
     """`architectures[0]` of the HF config.json."""
     tiny_family: str
-    """`megatron_sao.utils.tiny_hf` family used to test it."""
+    """`megatron_sao.models.tiny_hf` family used to test it."""
     models: str
     """The production checkpoints of the shipped recipes in this family."""
     note: str = ""

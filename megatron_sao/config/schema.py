@@ -38,7 +38,7 @@ class ModelConfig:
     """Build a tiny random checkpoint at `hf_path` if none is there (CPU demo and tests). The
     architecture overrides below then define its shape."""
     tiny_family: str = "qwen3_moe"
-    """Model family of the tiny checkpoint (see megatron_sao.utils.tiny_hf.supported_families)."""
+    """Model family of the tiny checkpoint (see megatron_sao.models.tiny_hf.supported_families)."""
     load_weights: bool = True
     """Load the checkpoint's weights (False: random init with the checkpoint's architecture)."""
     dtype: Dtype = "bfloat16"
@@ -250,14 +250,17 @@ class SGLangConfig:
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
+    """Actor -> engine weight updates (`pipeline/weight_sync.py` reads it, mode resolved)."""
+
     mode: Literal["auto", "tensor", "distributed", "disk"] = "auto"
     """How new actor weights reach the engines: tensors sent to each engine (colocated; SGLang gets
     CUDA IPC handles of trainer rank 0's GPU, so its engines must be on rank 0's node), a process
     group between trainer rank 0 and the engines (disaggregated; NCCL on GPU, gloo on CPU), or
     safetensors files the engines load (fallback). auto: tensor for colocated SGLang engines and
     for CPU engines, distributed for disaggregated SGLang engines (config/placement.py)."""
-    bucket_mb: int = 512
-    """Weights travel in buckets of at most this many MiB (peak extra memory of a sync)."""
+    bucket_mb: float = 512.0
+    """Weights travel in buckets of at most this many MiB (peak extra memory of a sync; one tensor
+    bigger than that is a bucket of its own)."""
     every_n_steps: int = 1
     """Sync after every N actor updates (engines then sample from a policy up to N - 1 versions
     old; DIS corrects for it)."""

@@ -3,7 +3,7 @@
 slurm: checks everything it can before writing anything (`check_launch`: the layout against the
 nodes and GPUs, as `sao plan` does; `--command` against the sub-commands; `--port-range`,
 `--time`; the data, model and checkpoint paths the command needs, on the shared file system; that
-the run directory can be written), fills launchers/slurm/sao_job.sbatch.in for the recipe, writes
+the run directory can be written), fills the job template (`platform/slurm_job.py`) for the recipe, writes
 it with the resolved config into a directory of its own under `<run dir>/launch/`
 (`submit-<time>-<id>/`, or `dry-run/` with `--dry-run`: no submitted job reads that one; a job
 pending or running for the same run directory keeps reading its own), prints
@@ -21,7 +21,6 @@ local: the same checks and flow on this machine without Slurm (launchers/local/r
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import subprocess
 import sys
@@ -29,19 +28,15 @@ import time
 import uuid
 from pathlib import Path
 
+from megatron_sao.platform.slurm_job import check_container_paths, fill_job_template, wait_for_job
 from megatron_sao.utils.args import SaoArgumentParser, int_at_least, slurm_time
 
 REPO = Path(__file__).resolve().parents[2]
-TEMPLATE = REPO / "launchers" / "slurm" / "sao_job.sbatch.in"
 LOCAL_SCRIPT = REPO / "launchers" / "local" / "run.sh"
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                   "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "PURGED"}
 _FLAG_FIELDS = {"nodes": "launcher.nnodes", "gpus_per_node": "launcher.nproc_per_node",
                 "partition": "launcher.partition", "account": "launcher.account", "time": "launcher.time_limit",
                 "container": "launcher.container_image", "interface": "launcher.network_interface",
                 "port_range": "launcher.port_range", "join_timeout": "launcher.join_timeout_s"}
-TRAINER_COMMANDS = {"train", "sft"}
-"""Driver commands whose ranks run as srun tasks on every node (jobs/train_multinode.py)."""
 RECIPE_COMMANDS = ("train", "sft", "value-pretrain train", "value-pretrain generate", "config show")
 """`--command`s the driver runs on the resolved recipe (`sao <command> CONFIG checkpoint.resume=auto`);
 `convert ...` is the other kind, run as given."""
@@ -69,7 +64,7 @@ class _RaisingParser(SaoArgumentParser):
 def check_driver_command(command: str) -> list[str]:
     """The words of `--command`, when the job can run them: a recipe command (`RECIPE_COMMANDS`) or
     a `convert` command that `sao convert`'s own parser accepts. ValueError naming the choices."""
-    from megatron_sao.checkpointing.convert_cli import add_convert_parser
+    from megatron_sao.jobs.convert import add_convert_parser
 
     words = shlex.split(command)
     if not words:
@@ -129,10 +124,12 @@ def check_launch(config, command: list[str], recipe: str) -> None:
 
 
 def driver_command(command: str, python: str, config_path: Path, nodes: int, tasks_per_node: int) -> list[str]:
-    """The driver the job runs on its first node: `sao train|sft` (which start their ranks as srun
-    tasks on every node), another recipe sub-command (`value-pretrain train`, `config show`, ...)
-    on the resolved config, or `convert ...` as it is given, one srun task per rank
-    (`nodes x tasks_per_node`; the conversion adopts Slurm's task variables)."""
+    """The driver the job runs on its first node: a recipe sub-command (`sao train|sft`,
+    `value-pretrain train`, `config show`, ...) on the resolved config, whose launcher.kind=slurm
+    makes `train`, `sft` and `value-pretrain train` start their ranks as srun tasks on every node
+    (or Ray actors on the job's cluster with launcher.ray; `platform/launch.py`), or `convert ...`
+    as it is given, one srun task per rank (`nodes x tasks_per_node`; the conversion adopts
+    Slurm's task variables)."""
     words = shlex.split(command)
     if not words:
         raise ValueError("--command is empty: name a sao sub-command, e.g. train")
@@ -140,21 +137,7 @@ def driver_command(command: str, python: str, config_path: Path, nodes: int, tas
         return ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes * tasks_per_node}",
                 f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=1", python, "-m", "megatron_sao.cli",
                 *words]
-    module = "megatron_sao.jobs.train_multinode" if words[0] in TRAINER_COMMANDS else "megatron_sao.cli"
-    return [python, "-m", module, *words, str(config_path), "checkpoint.resume=auto"]
-
-
-def check_container_paths(paths: dict[str, Path], mounts: list[Path], image: str) -> None:
-    """Before submission: every path the job uses exists here and is under a container mount,
-    and an image given as a file (.sqsh) exists. ValueError naming the path otherwise."""
-    if (image.startswith(("/", "./", "../")) or image.endswith(".sqsh")) and not Path(image).exists():
-        raise ValueError(f"--container {image}: no such image file")
-    for name, path in paths.items():
-        if not path.exists():
-            raise ValueError(f"{name} = {path} does not exist on the submission host")
-        if not any(path.resolve().is_relative_to(m.resolve()) for m in mounts):
-            raise ValueError(f"{name} = {path} is not under any container mount "
-                             f"({', '.join(str(m) for m in mounts)})")
+    return [python, "-m", "megatron_sao.cli", *words, str(config_path), "checkpoint.resume=auto"]
 
 
 def engine_component(config, args: argparse.Namespace, gpus: int) -> tuple[int, list[str]]:
@@ -222,12 +205,7 @@ def render_script(config, args: argparse.Namespace, run_dir: Path, config_path: 
         "SRUN_EXTRA": " ".join(shlex.quote(s) for s in srun_extra), "WORKDIR": shlex.quote(str(REPO)),
         "DRIVER": " ".join('"$HEAD"' if s == "$HEAD" else shlex.quote(s) for s in driver),
     }
-    text = TEMPLATE.read_text()
-    for key, value in fields.items():
-        text = text.replace("{{" + key + "}}", value)
-    if leftover := re.findall(r"\{\{[A-Z_]+\}\}", text):
-        raise AssertionError(f"template fields left unfilled: {leftover}")
-    return text
+    return fill_job_template(fields)
 
 
 def resolve_launch(args: argparse.Namespace, kind: str) -> tuple[object, Path, list[str]]:
@@ -281,33 +259,6 @@ def write_job(args: argparse.Namespace) -> tuple[Path, object, Path]:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
     return script, config, run_dir
-
-
-def job_state(job_id: str) -> tuple[str, int]:
-    """(JobState, exit status) from `scontrol show job` (no accounting needed). A controller that
-    does not answer is UNKNOWN (polled again); a job it no longer knows is PURGED (final)."""
-    proc = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
-    if proc.returncode:
-        return ("PURGED" if "Invalid job id" in proc.stderr else "UNKNOWN"), 1
-    out = proc.stdout
-    state = re.search(r"JobState=(\S+)", out)
-    code = re.search(r"\bExitCode=(\d+):(\d+)", out)
-    status = int(code[1]) or (128 + int(code[2]) if int(code[2]) else 0) if code else 1
-    return (state[1] if state else "UNKNOWN"), status
-
-
-def wait_for_job(job_id: str, run_dir: Path, poll_s: float = 3.0) -> int:
-    """Follow job `job_id` until it ends; its exit status (the output's tail on failure)."""
-    state, status = "PENDING", 0
-    while state not in TERMINAL_STATES:
-        time.sleep(poll_s)
-        state, status = job_state(job_id)
-    status = status or (0 if state == "COMPLETED" else 1)
-    print(f"job {job_id} ended: {state}, exit {status}", flush=True)
-    log = run_dir / f"slurm-{job_id}.out"
-    if status and log.is_file():
-        print("".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:]), end="", file=sys.stderr)
-    return status
 
 
 def _cmd_slurm(args: argparse.Namespace) -> int:

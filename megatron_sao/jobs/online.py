@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
-from megatron_sao.jobs.demo import DemoPlan
+from megatron_sao.jobs.stages import DemoPlan
 
 BASELINE_WINDOW = 128
 
 
 def run_online(config: SaoConfig, plan: DemoPlan | None = None) -> int:
-    from megatron_sao.jobs.demo import _check, _say, _stage_config, prepare_policy_and_critic
+    from megatron_sao.jobs.stages import check_stage, prepare_policy_and_critic, say, stage_config
     from megatron_sao.jobs.train import run_train
     from megatron_sao.reporting.compare import write_comparison
     from megatron_sao.rollout.envs.calc_shift import SHIFT_KEYS, CalcShiftConfig, mixed_oracle
@@ -57,20 +57,20 @@ def run_online(config: SaoConfig, plan: DemoPlan | None = None) -> int:
                             ("running_mean", {"algorithm.advantage": "running_mean",
                                               "algorithm.running_mean_scope": "global",
                                               "algorithm.running_mean_window": BASELINE_WINDOW})):
-        _say(f"[online] {name}: {len(phases)} phases {phases} of {phase_steps} steps")
-        stage = _stage_config(config, f"online_{name}", **{
+        say(f"[online] {name}: {len(phases)} phases {phases} of {phase_steps} steps")
+        stage = stage_config(config, f"online_{name}", **{
             "model.hf_path": prepared.sft_hf, "critic.load": prepared.critic_checkpoints,
             "rollout.source": "engine", "data.train_path": prepared.train_prompts, "critic.warmup_steps": 0,
             "run.total_steps": phase_steps * len(phases), **overrides})
-        _check(run_train(stage))
+        check_stage(run_train(stage))
         runs[name] = prepared.base / f"online_{name}"
     comparison = write_comparison(runs, prepared.base / "online_report", phase_steps=phase_steps)
     for name, stats in comparison.phases.items():
         summary = "; ".join(f"phase {i} ({phases[i]}): {s.early:.2f} -> {s.late:.2f}"
                             f" (90% after {'-' if s.recovery_steps is None else s.recovery_steps} steps)"
                             for i, s in enumerate(stats))
-        _say(f"{name}: {summary}")
-    _say(f"comparison: {comparison.page}")
+        say(f"{name}: {summary}")
+    say(f"comparison: {comparison.page}")
     return 0
 
 

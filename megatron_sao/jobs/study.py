@@ -53,16 +53,15 @@ def variant_overrides(config: SaoConfig, name: str) -> dict[str, Any]:
 
 def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: Any, eval_every: int,
               eval_prompts: int, command: str) -> Path:
-    from megatron_sao.jobs.demo import (
-        _check,
-        _export_actor,
-        _latest,
-        _say,
-        _stage_config,
+    from megatron_sao.jobs.demo import rollout_heldout, success_by_tier
+    from megatron_sao.jobs.stages import (
+        check_stage,
+        export_actor,
+        latest_checkpoint,
         prepare_policy_and_critic,
         rl_stage_overrides,
-        rollout_heldout,
-        success_by_tier,
+        say,
+        stage_config,
         write_prompts,
     )
     from megatron_sao.jobs.train import run_train
@@ -75,11 +74,11 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
     out = prepared.base / "study"
     out.mkdir(parents=True, exist_ok=True)
     heldout_path = write_prompts(out / "heldout_prompts.jsonl", prepared.heldout)
-    base_rl = _stage_config(config, "sao", **rl_stage_overrides(prepared, plan))
+    base_rl = stage_config(config, "sao", **rl_stage_overrides(prepared, plan))
 
     sft_file = out / "sft_heldout.json"
     if not sft_file.is_file():
-        _say(f"[study] SFT policy on {len(prepared.heldout)} held-out prompts")
+        say(f"[study] SFT policy on {len(prepared.heldout)} held-out prompts")
         tiers = success_by_tier(rollout_heldout(base_rl, prepared.sft_hf, prepared.heldout, out / "eval_sft"))
         sft_file.write_text(json.dumps(tiers) + "\n")
     sft_heldout = json.loads(sft_file.read_text())["all"]
@@ -92,15 +91,15 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
             run_dir = out / name
             final = run_dir / "final.json"
             if not final.is_file():
-                _say(f"[study] {name}: {VARIANTS[variant][0]}, seed {seed}")
+                say(f"[study] {name}: {VARIANTS[variant][0]}, seed {seed}")
                 overrides = {**rl_stage_overrides(prepared, plan), **variant_overrides(config, variant),
                              "run.seed": seed, "eval.every_n_steps": eval_every, "eval.num_prompts": eval_prompts,
                              "eval.prompts_path": heldout_path}
                 rl = _study_config(config, out, name, overrides)
                 start = time.perf_counter()
-                _check(run_train(rl))
+                check_stage(run_train(rl))
                 wall = time.perf_counter() - start
-                hf = _export_actor(replace(rl, actor=replace(rl.actor, load=str(_latest(run_dir)))),
+                hf = export_actor(replace(rl, actor=replace(rl.actor, load=str(latest_checkpoint(run_dir)))),
                                    run_dir / "final_hf")
                 tiers = success_by_tier(rollout_heldout(rl, hf, prepared.heldout, run_dir / "eval_final"))
                 final.write_text(json.dumps({"heldout": tiers["all"], "by_tier": tiers, "wall_s": wall}) + "\n")
@@ -108,13 +107,13 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
             summary = summarise_run(variant, seed, run_dir / "metrics.jsonl", result["heldout"], sft_heldout,
                                     result["wall_s"])
             summaries[variant].append(summary)
-            _say(f"[study] {name}: held-out {summary.heldout:.3f} (SFT {sft_heldout:.3f}), critic EV (last 20) "
+            say(f"[study] {name}: held-out {summary.heldout:.3f} (SFT {sft_heldout:.3f}), critic EV (last 20) "
                  f"{'n/a' if summary.ev_last20 is None else f'{summary.ev_last20:.2f}'}")
     load_after = os.getloadavg()
     setup = _setup_text(base_rl, seeds, prepared, eval_every, eval_prompts, load_before, load_after)
     labels = {v: VARIANTS[v][0] for v in variants}
     page = write_study(out, summaries, labels, sft_heldout, len(prepared.heldout), command, setup)
-    _say(f"study: {page}")
+    say(f"study: {page}")
     return page
 
 
@@ -146,7 +145,7 @@ def _setup_text(rl: SaoConfig, seeds: list[int], prepared: Any, eval_every: int,
 def add_study_parser(subparsers: Any) -> None:
     import argparse
 
-    from megatron_sao.jobs.demo import DemoPlan
+    from megatron_sao.jobs.stages import DemoPlan
 
     parser = subparsers.add_parser(
         "study", help="the paper's ablations at small scale: SAO variants, GRPO, GRPO + DIS, running mean",

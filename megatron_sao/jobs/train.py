@@ -17,12 +17,8 @@ position, and for engines the buffered trajectories and unfinished prompts) and 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
-import os
-import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -85,13 +81,6 @@ def _make_source(config: SaoConfig, run_dir: Path, mode: str) -> TrajectorySourc
     return EngineSource(config, run_dir)
 
 
-def _forward_to_children(signum: int, frame: Any) -> None:
-    """The parent only waits: pass the signal on so that every rank checkpoints and stops."""
-    for child in multiprocessing.active_children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signum)
-
-
 def drive(config: SaoConfig, run_dir: Path,
           launch: Callable[[str | None], dict[str, Any]]) -> tuple[int, dict[str, Any], Path]:
     """What every launch path does around its ranks: check the layout against the model (which also
@@ -110,84 +99,31 @@ def drive(config: SaoConfig, run_dir: Path,
     return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
 
 
-@contextlib.contextmanager
-def signals_to(handler: Callable[[int, Any], None]) -> Iterator[None]:
-    """SIGTERM / SIGINT go to `handler` inside the block (the driver passes them on to its ranks)."""
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
-
-
 def run_train(config: SaoConfig, mode: Literal["rl", "sft"] = "rl") -> tuple[int, dict[str, Any], Path]:
-    """Run the job on `launcher.nproc_per_node` local processes (or Ray actors, or srun tasks).
+    """Run the job on its trainer ranks: `launcher.nproc_per_node` local processes, srun tasks
+    inside a Slurm job (launcher.kind=slurm), or Ray actors (launcher.ray; `platform/launch.py`).
     Returns (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.jobs.preflight import check_train_job
-    from megatron_sao.platform import run_distributed
+    from megatron_sao.platform.launch import launch_ranks, rank_launcher
     from megatron_sao.training.run_dir import run_dir_of
     from megatron_sao.utils.progress import stage_progress
 
     check_train_job(config, mode)
-    if config.launcher.ray:
-        return _run_train_ray(config, mode)
-    if config.launcher.kind == "slurm":  # inside a Slurm job: the ranks are srun tasks on every node
-        from megatron_sao.jobs.train_multinode import run_train_srun
-
-        return run_train_srun(config, mode)
-    if config.launcher.nnodes != 1:
-        raise ValueError(f"launcher.nnodes={config.launcher.nnodes} with launcher.kind=local: several nodes need "
-                         "launcher.kind=slurm (submit with `sao launch slurm RECIPE --nodes N`)")
+    where = rank_launcher(config.launcher, "submit with `sao launch slurm RECIPE --nodes N`")
     run_dir = run_dir_of(config)
+    ray = None
+    if where != "local":  # srun tasks and Ray workers may run elsewhere: absolute paths only
+        run_dir = run_dir.resolve()
+    if where == "ray":  # the trainer ranks (and, from rank 0, the engines) in one placement group
+        from megatron_sao.pipeline.placement import ray_ranks_plan
+
+        ray = ray_ranks_plan(config, with_engines=mode == "rl" and config.rollout.source == "engine")
 
     def launch(resume_from: str | None) -> dict[str, Any]:
-        print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
-        with signals_to(_forward_to_children):
-            return run_distributed(train_rank, trainer_world_size(config), config, str(run_dir), mode, resume_from,
-                                   timeout_s=float("inf"))[0]
-
-    with stage_progress(config, run_dir):
-        return drive(config, run_dir, launch)
-
-
-def _run_train_ray(config: SaoConfig, mode: Literal["rl", "sft"]) -> tuple[int, dict[str, Any], Path]:
-    """`run_train` with the trainer ranks (and, from rank 0, the engines) placed as Ray actors in
-    one placement group (`pipeline/placement.py`), on a local Ray instance or the cluster at
-    `launcher.ray_address`."""
-    from megatron_sao.pipeline.placement import ray_placement
-    from megatron_sao.training.run_dir import run_dir_of
-
-    run_dir = run_dir_of(config).resolve()  # Ray workers may run elsewhere: absolute paths only
-    placement = ray_placement(config, with_engines=mode == "rl" and config.rollout.source == "engine")
-
-    def launch(resume_from: str | None) -> dict[str, Any]:
-        import ray
-
-        from megatron_sao.pipeline.placement import create_placement_group
-        from megatron_sao.platform.ray_ranks import RayRanks, connect_ray
-
-        started = connect_ray(config.launcher.ray_address, min_cpus=placement.bundle_count)
-        print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'}); {placement.describe()}",
-              flush=True)
-        group = None
-        try:
-            group = create_placement_group(placement, timeout_s=float(config.launcher.join_timeout_s))
-            ranks = RayRanks(placement.trainer_ranks, group, placement.trainer_bundles(),
-                             *placement.trainer_resources())
-            try:
-                with signals_to(ranks.forward_signal):
-                    return ranks.run(train_rank, config, str(run_dir), mode, resume_from)[0]
-            finally:
-                ranks.kill()
-        finally:
-            if group is not None:
-                ray.util.remove_placement_group(group)
-            if started:
-                ray.shutdown()
-
-    from megatron_sao.utils.progress import stage_progress
+        return launch_ranks(train_rank, trainer_world_size(config), config, str(run_dir), mode, resume_from,
+                            launcher=config.launcher, run_dir=run_dir, ray=ray,
+                            announce=f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})")
 
     with stage_progress(config, run_dir):
         return drive(config, run_dir, launch)

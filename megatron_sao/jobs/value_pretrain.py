@@ -11,78 +11,52 @@ runs, SIGTERM/SIGINT -> checkpoint and exit 143). RL then starts its critic from
 from __future__ import annotations
 
 import argparse
-import contextlib
-import multiprocessing
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
-
-
-def _forward_to_children(signum: int, frame: Any) -> None:
-    """The parent only waits: every rank gets the signal, checkpoints and stops."""
-    for child in multiprocessing.active_children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signum)
+from megatron_sao.jobs.args import add_recipe_args, load_recipe
 
 
 def run_pretrain(config: SaoConfig) -> tuple[int, dict[str, Any], Path]:
-    """Train the critic on `launcher.nproc_per_node` local processes, or, with launcher.kind=slurm
-    inside a Slurm job, on srun tasks over the allocation's nodes. Returns (exit code, rank 0's
-    result, run directory)."""
+    """Train the critic on its ranks: `launcher.nproc_per_node` local processes, srun tasks over
+    the allocation's nodes inside a Slurm job (launcher.kind=slurm), or Ray actors (launcher.ray),
+    as `sao train` (`platform/launch.py`). Returns (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.jobs.preflight import check_value_pretrain_job
     from megatron_sao.models.build import check_layout_fits_model
-    from megatron_sao.platform import run_distributed
+    from megatron_sao.platform.launch import launch_ranks, rank_launcher
     from megatron_sao.training.loop import STOPPED_BY_SIGNAL
     from megatron_sao.training.run_dir import prepare_resume, run_dir_of
     from megatron_sao.utils.console import show_output
     from megatron_sao.valuepretrain.train_loop import pretrain_rank
 
     check_value_pretrain_job(config)
-    on_slurm = config.launcher.kind == "slurm"
-    if not on_slurm and config.launcher.nnodes != 1:
-        raise ValueError(f"launcher.nnodes={config.launcher.nnodes} with launcher.kind=local: several nodes need "
-                         "launcher.kind=slurm (run through `sao launch slurm --command \"value-pretrain train\"`)")
-    run_dir = run_dir_of(config).resolve() if on_slurm else run_dir_of(config)
+    where = rank_launcher(config.launcher, "run through `sao launch slurm --command \"value-pretrain train\"`")
+    run_dir = run_dir_of(config) if where == "local" else run_dir_of(config).resolve()  # ranks elsewhere: absolute
+    ray = None
+    if where == "ray":  # the critic's ranks in a placement group of their own (no engines)
+        from megatron_sao.pipeline.placement import ray_ranks_plan
+
+        ray = ray_ranks_plan(config, with_engines=False)
     check_layout_fits_model(config)
     show_output()  # the checks are done: what follows (and the ranks' progress) is shown live
     resume_from, complete = prepare_resume(config, run_dir)
     if complete is not None:
         return 0, {"step": complete, "stopped": False, "metrics": {}, "heldout": None}, run_dir
-    print(f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})", flush=True)
-    resume = str(resume_from) if resume_from else None
-    if on_slurm:  # inside a Slurm job: the ranks are the tasks of one srun step, on every node
-        from megatron_sao.platform.srun import run_srun
-
-        result = run_srun(pretrain_rank, trainer_world_size(config), config, str(run_dir), resume,
-                          ntasks_per_node=config.launcher.nproc_per_node, work_dir=run_dir / "launch")[0]
-        return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
-    previous = {s: signal.signal(s, _forward_to_children) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        result = run_distributed(pretrain_rank, trainer_world_size(config), config, str(run_dir), resume,
-                                 timeout_s=float("inf"))[0]
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    result = launch_ranks(pretrain_rank, trainer_world_size(config), config, str(run_dir),
+                          str(resume_from) if resume_from else None, launcher=config.launcher, run_dir=run_dir,
+                          ray=ray, announce=f"run directory: {run_dir} (resolved config: {run_dir / 'config.yaml'})")
     return (STOPPED_BY_SIGNAL if result["stopped"] else 0), result, run_dir
-
-
-def _load(args: argparse.Namespace) -> SaoConfig:
-    from megatron_sao.config import load_config
-
-    return load_config(args.recipe, args.overrides)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from megatron_sao.jobs.preflight import check_outputs
-    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL
+    from megatron_sao.training.loop import STOPPED_BY_SIGNAL
     from megatron_sao.utils.console import show_output
     from megatron_sao.valuepretrain.generate import run_generate
 
-    config = _load(args)
+    config = load_recipe(args)
     check_outputs(config)
     show_output()
     result = run_generate(config)
@@ -96,7 +70,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    code, result, run_dir = run_pretrain(_load(args))
+    code, result, run_dir = run_pretrain(load_recipe(args))
     heldout = result.get("heldout")
     if heldout is None:
         shown = "no held-out evaluation"
@@ -110,8 +84,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_value_pretrain_parser(subparsers: Any) -> None:
-    from megatron_sao.cli import _add_recipe_args
-
     parser = subparsers.add_parser(
         "value-pretrain", help="value pretraining: generate a rollout corpus, train the critic on it",
         description="Value pretraining (docs/value-pretraining.md): `generate` rolls out the policy "
@@ -125,12 +97,12 @@ def add_value_pretrain_parser(subparsers: Any) -> None:
                                   description="Start the rollout engines (rollout.engine), run the agent loop over "
                                               "the prompts and write shards + manifest. Complete shards are skipped "
                                               "on a rerun; SIGTERM/SIGINT: stop after the complete shards, exit 143.")
-    _add_recipe_args(generate)
+    add_recipe_args(generate)
     generate.set_defaults(func=_cmd_generate, quiet_log="until_started")
     train = actions.add_parser("train", help="train the critic on the corpus",
                                description="Critic only, run.total_steps steps of data.batch_size trajectories; "
                                            "writes config.yaml, metrics.jsonl, calibration.json/.png, "
                                            "data_report.json and checkpoints/ into run.output_dir/run.name; resumes "
                                            "from the latest checkpoint there. SIGTERM/SIGINT: checkpoint, exit 143.")
-    _add_recipe_args(train)
+    add_recipe_args(train)
     train.set_defaults(func=_cmd_train, quiet_log="until_started")

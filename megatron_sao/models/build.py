@@ -70,7 +70,7 @@ def prepare_hf_checkpoint(model: ModelConfig, seed: int = 0) -> Path:
     if not model.build_tiny:
         raise ValueError(f"model.hf_path={path}: no config.json there (not a HuggingFace checkpoint "
                          "directory); set model.build_tiny=true to build a tiny random one")
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
     hf_overrides = {ARCH_OVERRIDES[k][0]: v for k, v in arch_overrides(model).items()}
     logger.info("building tiny %s checkpoint at %s (%s)", model.tiny_family, path, hf_overrides)

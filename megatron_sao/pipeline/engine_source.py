@@ -19,14 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from megatron_sao.config.schema import SaoConfig
-from megatron_sao.rollout.environment import PromptSample
 from megatron_sao.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -46,9 +44,13 @@ class EngineSource:
         # Colocated: engines and trainers time-share the devices (engines release their memory
         # while the trainer steps); disaggregated: generation stops only for weight updates.
         # `auto` resolves as everywhere else (config.placement.engine_placement).
-        from megatron_sao.config.placement import engine_placement
+        from megatron_sao.config.placement import engine_placement, weight_sync_mode
+        from megatron_sao.pipeline.weight_sync import check_weight_sync
 
         self.colocated = engine_placement(config) == "colocated"
+        # `rollout.weight_sync` as the pushes will read it (auto resolved): refused now, not at the first push.
+        self._sync_settings = dataclasses.replace(config.rollout.weight_sync, mode=weight_sync_mode(config))
+        check_weight_sync(self._sync_settings, disk_dir=str(run_dir / "engine_weights"))
         self._wait_s = 0.0
         self._batch: list[Trajectory] = []
         self.rollout: Any = None
@@ -159,7 +161,7 @@ class EngineSource:
             dist.broadcast_object_list(plan, src=0)
             if plan[0] is None:
                 return
-            sync = self._weight_sync(trainer, self._settings())
+            sync = self._weight_sync(trainer)
             if self.rank0:
                 self._push(sync, plan[0], version)
             else:
@@ -169,10 +171,12 @@ class EngineSource:
 
     def _plan(self, version: int, initial: bool, attempt: int) -> str | list[str] | None:
         """Rank 0: "due" (every healthy engine), the URLs of lagging engines, or None."""
+        from megatron_sao.pipeline.weight_sync import is_due
+
         if attempt == 0:
             if initial and (version > 0 or self.config.actor.load):
                 return "due"
-            if not initial and version != self.synced_version and self._settings().due(version):
+            if not initial and version != self.synced_version and is_due(self._sync_settings, version):
                 return "due"
             if initial:
                 self.synced_version = version
@@ -211,24 +215,18 @@ class EngineSource:
         metrics, self._sync_metrics = self._sync_metrics, {}
         return metrics
 
-    def _settings(self) -> Any:
-        from megatron_sao.config.placement import weight_sync_mode
-        from megatron_sao.pipeline.weight_sync import WeightSyncConfig
-
-        ws = self.config.rollout.weight_sync
-        return WeightSyncConfig(mode=weight_sync_mode(self.config), bucket_mb=ws.bucket_mb,
-                                every_n_steps=ws.every_n_steps, checksum=ws.checksum,
-                                master_address=ws.master_address, disk_dir=str(self.run_dir / "engine_weights"),
-                                engine_format="sglang" if self.config.rollout.engine == "sglang" else "safetensors",
-                                engine_tp_size=self.config.rollout.sglang.tensor)
-
-    def _weight_sync(self, trainer: Any, settings: Any) -> Any:
+    def _weight_sync(self, trainer: Any) -> Any:
+        """The run's `WeightSync`: `rollout.weight_sync` with its mode resolved, and what the run
+        knows of its engines (payload format, TP size) and where disk mode writes."""
         if self._sync_impl is None:
             from megatron_sao.models.hf_export import HFWeightExporter
             from megatron_sao.pipeline.weight_sync import WeightSync
 
-            exporter = HFWeightExporter(trainer.actor.chunks, self.config.model.hf_path, role="actor")
-            self._sync_impl = WeightSync(exporter, settings)
+            c = self.config
+            exporter = HFWeightExporter(trainer.actor.chunks, c.model.hf_path, role="actor")
+            self._sync_impl = WeightSync(exporter, self._sync_settings, disk_dir=str(self.run_dir / "engine_weights"),
+                                         engine_format="sglang" if c.rollout.engine == "sglang" else "safetensors",
+                                         engine_tp_size=c.rollout.sglang.tensor)
         return self._sync_impl
 
     # ---- state -------------------------------------------------------------------------------------
@@ -257,17 +255,3 @@ def _give_back_cached_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-
-def positioned(stream: Any) -> Iterator[PromptSample]:
-    """The stream's prompts, each with its draw number in `metadata["stream_position"]` (0, 1,
-    ...; a function of the stream's restorable position, so it survives a resume). Environments
-    whose behaviour changes over a run (`calc_shift`, online mode) read it. A prompt handed out
-    again after a resume keeps the number it was first drawn with."""
-    from megatron_sao.rollout.environment import STREAM_POSITION_KEY
-
-    per_epoch = len(stream.samples) * stream.group_size
-    for sample in stream:
-        if STREAM_POSITION_KEY not in sample.metadata:
-            position = stream.epoch * per_epoch + stream.index - 1
-            sample = dataclasses.replace(sample, metadata={**sample.metadata, STREAM_POSITION_KEY: position})
-        yield sample

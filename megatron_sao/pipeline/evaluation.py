@@ -31,6 +31,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from megatron_sao.rollout.environment import PromptSample
+from megatron_sao.rollout.serving import Runner, run_episodes
 from megatron_sao.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,12 @@ def eval_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 class HeldoutEvaluator:
-    """Evaluations of `samples` with `agent` (an `AgentLoop` on the run's engine pool), one at a
-    time, each started on the rollout thread's loop by `submit` (`RolloutService.submit`). `start`
-    and `finished` are called from other threads."""
+    """Evaluations of `samples` with `agent` (a `rollout.serving.Runner` on the run's engine pool:
+    the agent loop, or the scaffold runner for a gateway environment), one at a time, each started
+    on the rollout thread's loop by `submit` (`RolloutService.submit`). `start`, `finished` and
+    `stop` are called from other threads."""
 
-    def __init__(self, samples: Sequence[PromptSample], agent: Any,
+    def __init__(self, samples: Sequence[PromptSample], agent: Runner,
                  submit: Callable[[Coroutine[Any, Any, Any]], concurrent.futures.Future]) -> None:
         if not samples:
             raise ValueError("evaluation during training needs at least one held-out prompt")
@@ -115,7 +117,9 @@ class HeldoutEvaluator:
 
     async def _evaluate(self, step: int, actor_version: int) -> dict[str, float]:
         start = time.perf_counter()
-        trajectories = await self.agent.run(self.samples)  # at most max_concurrent_trajectories at once
+        # One trajectory per episode (a scaffold episode's last segment), at most
+        # max_concurrent_trajectories at once.
+        trajectories = await run_episodes(self.agent, self.samples)
         metrics = eval_metrics(trajectories)
         metrics.update({"eval/step": float(step), "eval/actor_version": float(actor_version),
                         "eval/seconds": time.perf_counter() - start})
@@ -124,10 +128,17 @@ class HeldoutEvaluator:
         return metrics
 
     def stop(self) -> None:
-        """Cancel the evaluation in flight (the rollout is stopping)."""
+        """Cancel the evaluation in flight and close the runner (a scaffold runner's gateway): the
+        rollout is stopping."""
         if self._running is not None:
             self._running.cancel()
             self._running = None
+        close = getattr(self.agent, "close", None)
+        if close is not None:
+            try:
+                self.submit(close()).result(timeout=30)
+            except Exception as error:  # stopping goes on: the rollout's loop ends next
+                logger.warning("closing the evaluation's runner: %r", error)
 
 
 def make_evaluator(config: Any, tokenizer: Any, pool: Any,
@@ -138,17 +149,13 @@ def make_evaluator(config: Any, tokenizer: Any, pool: Any,
     pool's slots at once."""
     import dataclasses
 
-    from megatron_sao.rollout.agent_loop import AgentLoop
     from megatron_sao.rollout.datasets import DatasetConfig, load_prompts
+    from megatron_sao.rollout.gateway.runner import make_runner
     from megatron_sao.rollout.settings import agent_loop_config_from
 
     e = config.eval
     if not e.every_n_steps:
         return None
-    if getattr(env_factory, "driven_by_gateway", False):
-        raise ValueError(f"eval.every_n_steps={e.every_n_steps}: evaluation during training runs step environments "
-                         f"through the agent loop; rollout.environment={config.rollout.environment!r} is a gateway "
-                         "scaffold (set eval.every_n_steps=0)")
     dataset = load_prompts(e.prompts_path, DatasetConfig(max_prompt_chars=config.data.max_prompt_chars))
     samples = dataset.samples[: e.num_prompts]
     capacity = pool.max_inflight_per_engine * len(pool.clients)
@@ -156,4 +163,6 @@ def make_evaluator(config: Any, tokenizer: Any, pool: Any,
                                        max_concurrent_trajectories=max(1, capacity // 2))
     logger.info("evaluation during training: %d prompts of %s every %d steps", len(samples), e.prompts_path,
                 e.every_n_steps)
-    return HeldoutEvaluator(samples, AgentLoop(agent_config, tokenizer, pool, env_factory), submit)
+    # The runner that fits the environment, as for the training rollouts (`rollout/serving.py`): a
+    # scaffold environment gets a gateway of its own for the evaluation's sessions.
+    return HeldoutEvaluator(samples, make_runner(agent_config, tokenizer, pool, env_factory), submit)

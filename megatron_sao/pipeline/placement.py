@@ -31,10 +31,14 @@ nodes. Trainer rank 0 is the only trainer rank that talks to it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megatron_sao.config.schema import SaoConfig
+
+if TYPE_CHECKING:
+    from megatron_sao.rollout.serving import EngineFleet
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +123,11 @@ def ray_placement(config: SaoConfig, with_engines: bool) -> RayPlacement:
     engines = config.rollout.num_engines if with_engines else 0
     placement = engine_placement(config)
     per_engine = config.rollout.sglang.tensor if gpu_engines else 1
+    # GPU bundles where this machine has GPUs, or where SGLang engines will need them; a run without
+    # engines (SFT, value pretraining) on a CPU box gets CPU bundles whatever rollout.engine says.
+    use_gpus = torch.cuda.is_available() or (gpu_engines and engines > 0)
     return RayPlacement(placement=placement, trainer_ranks=trainers, num_engines=engines,
-                        devices_per_engine=per_engine, use_gpus=torch.cuda.is_available() or gpu_engines)
+                        devices_per_engine=per_engine, use_gpus=use_gpus)
 
 
 def create_placement_group(placement: RayPlacement, timeout_s: float = 600.0) -> Any:
@@ -149,9 +156,10 @@ def _current_placement_group() -> Any:
     return ray.util.get_current_placement_group() if ray.is_initialized() else None
 
 
-def make_engine_supervisor(config: SaoConfig) -> Any:
+def make_engine_supervisor(config: SaoConfig) -> Callable[[Any], EngineFleet] | None:
     """The engine supervisor factory of this run: Ray actors in the run's placement group when
-    this process is a rank placed by Ray, None otherwise (local engine processes)."""
+    this process is a rank placed by Ray, None otherwise (local engine processes); what it makes
+    is a `rollout.serving.EngineFleet`."""
     group = _current_placement_group()
     if group is None:
         return None
@@ -178,3 +186,14 @@ def make_rollout_actor(config: SaoConfig, run_dir: Any) -> Any:
 
     placement = ray_placement(config, with_engines=True)
     return RemoteRollout(config, run_dir, group, placement.rollout_bundle(), make_engine_supervisor(config))
+
+
+def ray_ranks_plan(config: SaoConfig, with_engines: bool) -> Any:
+    """`config`'s trainer ranks on Ray for `platform.launch.launch_ranks`: the placement (with the
+    engines' and rollout's bundles when `with_engines`) and how to reserve it."""
+    from functools import partial
+
+    from megatron_sao.platform.launch import RayRanksPlan
+
+    placement = ray_placement(config, with_engines=with_engines)
+    return RayRanksPlan(placement, partial(create_placement_group, placement))

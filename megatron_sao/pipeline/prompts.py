@@ -5,7 +5,7 @@ Each epoch visits every prompt once, in file order or (`data.shuffle`) in a perm
 `algorithm.group_size` G > 1 each prompt is handed out G times in a row (GRPO ablations: the
 ready buffer releases a group when all G are done). Prompts that were started but not finished
 when a checkpoint was written are handed out first after a resume (`pending`), so a preemption
-loses none and repeats none.
+loses none and repeats none. `positioned` numbers each draw (`metadata["stream_position"]`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from megatron_sao.pipeline.buffer import GROUP_ID_KEY
-from megatron_sao.rollout.environment import PromptSample
+from megatron_sao.rollout.environment import STREAM_POSITION_KEY, PromptSample
 
 
 class PromptStream(Iterator[PromptSample]):
@@ -75,3 +75,16 @@ class PromptStream(Iterator[PromptSample]):
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self._order = self._epoch_order(self.epoch)
         self.pending = deque(PromptSample(**s) for s in state["pending"])
+
+
+def positioned(stream: PromptStream) -> Iterator[PromptSample]:
+    """The stream's prompts, each with its draw number in `metadata["stream_position"]` (0, 1,
+    ...; a function of the stream's restorable position, so it survives a resume). Environments
+    whose behaviour changes over a run (`calc_shift`, online mode) read it. A prompt handed out
+    again after a resume keeps the number it was first drawn with."""
+    per_epoch = len(stream.samples) * stream.group_size
+    for sample in stream:
+        if STREAM_POSITION_KEY not in sample.metadata:
+            position = stream.epoch * per_epoch + stream.index - 1
+            sample = dataclasses.replace(sample, metadata={**sample.metadata, STREAM_POSITION_KEY: position})
+        yield sample

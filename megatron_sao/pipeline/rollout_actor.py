@@ -38,9 +38,12 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_sao.config.schema import SaoConfig
+
+if TYPE_CHECKING:
+    from megatron_sao.rollout.serving import EngineFleet
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +59,12 @@ ENGINE_CALLS = frozenset({"begin_weight_update", "end_weight_update",
 class RolloutHost:
     """Prompt stream + ready buffer + `RolloutService` of one run, built from its config."""
 
-    def __init__(self, config: SaoConfig, run_dir: Path | str, make_supervisor: Callable[[Any], Any] | None = None
-                 ) -> None:
+    def __init__(self, config: SaoConfig, run_dir: Path | str,
+                 make_supervisor: Callable[[Any], EngineFleet] | None = None) -> None:
         from transformers import AutoTokenizer
 
         from megatron_sao.pipeline.buffer import ReadyBuffer, round_gated
-        from megatron_sao.pipeline.engine_source import positioned
-        from megatron_sao.pipeline.prompts import PromptStream
+        from megatron_sao.pipeline.prompts import PromptStream, positioned
         from megatron_sao.pipeline.rollout_service import RolloutService, log_dir
         from megatron_sao.rollout.datasets import DatasetConfig, load_prompts
         from megatron_sao.rollout.settings import agent_loop_config_from, engine_config_from, env_factory_from
@@ -174,7 +176,7 @@ class RolloutActor(RolloutHost):
     """`RolloutHost` as a Ray actor (threaded: the engine calls of one weight push run at once).
     The engine hosts are created from here, in the run's placement group (`make_supervisor`)."""
 
-    def __init__(self, config: SaoConfig, run_dir: str, make_supervisor: Callable[[Any], Any] | None) -> None:
+    def __init__(self, config: SaoConfig, run_dir: str, make_supervisor: Callable[[Any], EngineFleet] | None) -> None:
         from megatron_sao.utils.lifetime import lead_process_group
 
         lead_process_group()  # environment processes, reward pools: they end with this actor's worker
@@ -258,7 +260,7 @@ class RemoteRollout:
     `RolloutHost` interface, one Ray call per method."""
 
     def __init__(self, config: SaoConfig, run_dir: Path | str, placement_group: Any, bundle: int,
-                 make_supervisor: Callable[[Any], Any] | None, num_cpus: float = 1.0) -> None:
+                 make_supervisor: Callable[[Any], EngineFleet] | None, num_cpus: float = 1.0) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

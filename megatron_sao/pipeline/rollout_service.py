@@ -28,10 +28,14 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_sao.rollout.environment import PromptSample
 from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus
+
+if TYPE_CHECKING:  # the engine side is imported when a rollout starts
+    from megatron_sao.rollout.agent_loop import AgentLoopConfig
+    from megatron_sao.rollout.serving import EngineFleet, Serving
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +49,11 @@ class RolloutService:
     """Engines + agent loop feeding `buffer` from `prompts`; every public method is called from
     the trainer's thread."""
 
-    def __init__(self, engine_config: Any, agent_config: Any, tokenizer: Any, env_factory: Callable[..., Any],
-                 prompts: Iterator[PromptSample], buffer: Any, max_inflight_per_engine: int,
-                 health_interval_s: float = 5.0, health_timeout_s: float = 10.0, health_failures: int = 3,
-                 make_supervisor: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, engine_config: Any, agent_config: AgentLoopConfig, tokenizer: Any,
+                 env_factory: Callable[..., Any], prompts: Iterator[PromptSample], buffer: Any,
+                 max_inflight_per_engine: int, health_interval_s: float = 5.0, health_timeout_s: float = 10.0,
+                 health_failures: int = 3,
+                 make_supervisor: Callable[[Any], EngineFleet] | None = None) -> None:
         self.engine_config = engine_config
         # The engine supervisor: local processes (`EngineSupervisor`) unless the run places its
         # engines elsewhere (`pipeline.placement.make_engine_supervisor`: Ray actors).
@@ -79,6 +84,9 @@ class RolloutService:
         no health check while paused (the probe waits behind the pause), so the watchdog skips them."""
         self._task: asyncio.Future | None = None
         self._watchdog: asyncio.Future | None = None
+        self.serving: Serving | None = None
+        # Its parts once started (tests and tools set them on their own): an `EngineFleet`, the
+        # `EnginePool`, the `Runner` (rollout/serving.py).
         self.supervisor: Any = None
         self.pool: Any = None
         self.agent: Any = None
@@ -88,24 +96,17 @@ class RolloutService:
 
     def start(self) -> list[str]:
         """Start the engines (blocking until healthy) and the rollout; returns the engine URLs."""
-        from megatron_sao.rollout.client import EngineClient
-        from megatron_sao.rollout.engine_pool import EnginePool
-        from megatron_sao.rollout.engine_supervisor import EngineSupervisor
-        from megatron_sao.rollout.gateway.runner import make_runner
+        from megatron_sao.rollout.serving import Serving
 
-        self.supervisor = (self.make_supervisor or EngineSupervisor)(self.engine_config)
-        urls = self.supervisor.start()
-        self.supervisor.start_monitor()
+        # The one rollout composition (`rollout/serving.py`): engines, pool, and the runner that
+        # fits the environment (`AgentLoop`, or `ScaffoldRunner` for a gateway scaffold).
+        self.serving = Serving(self.engine_config, self.agent_config, self.tokenizer, self.env_factory,
+                               self.max_inflight_per_engine, self.make_supervisor)
+        urls = self.serving.start_engines()
+        self.supervisor = self.serving.fleet
         self._thread.start()
-
-        async def build() -> None:
-            clients = [EngineClient(url) for url in urls]
-            self.pool = EnginePool(clients, max_inflight_per_engine=self.max_inflight_per_engine)
-            # The agent loop steps `Environment`s; a scaffold environment (`openai_scaffold`) drives
-            # the model itself through the gateway: `make_runner` picks the runner that fits.
-            self.agent = make_runner(self.agent_config, self.tokenizer, self.pool, self.env_factory)
-
-        self.run(build())
+        self.agent = self.run(self.serving.open())  # the clients live on the rollout thread's loop
+        self.pool = self.serving.pool
         self._task = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
         self._watchdog = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
         return urls
@@ -118,15 +119,13 @@ class RolloutService:
         for task in (self._task, self._watchdog):
             if task is not None:
                 task.cancel()
-        if hasattr(self.agent, "close") and self._thread.is_alive():
-            self.run(self.agent.close(), timeout_s=30)  # the gateway of a scaffold runner
-        if self.pool is not None and self._thread.is_alive():
-            self.run(self.pool.close(), timeout_s=30)
+        if self.serving is not None and self._thread.is_alive():
+            self.run(self.serving.aclose(), timeout_s=60)  # the runner's gateway (scaffolds), the pool
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
-        if self.supervisor is not None:
-            self.supervisor.stop()
+        if self.serving is not None:
+            self.serving.stop_engines()
 
     # ---- called by the trainer ---------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_sao.config.schema import WeightSyncConfig
 from megatron_sao.models.hf_export import HFWeightExporter, tensor_nbytes
 from megatron_sao.platform.distributed import free_port
 from megatron_sao.rollout import weight_transfer as wt
@@ -57,56 +58,22 @@ class WeightSyncError(RuntimeError):
     """A weight sync did not reach an engine as intended; the message names the engine."""
 
 
-@dataclass(kw_only=True)
-class WeightSyncConfig:
-    """What `rollout.weight_sync.*` will hold (taken as arguments until the schema has it)."""
+def check_weight_sync(config: WeightSyncConfig, disk_dir: str = "") -> None:
+    """ValueError naming the `rollout.weight_sync.*` key that cannot work for a push."""
+    if config.mode not in ("tensor", "distributed", "disk"):
+        raise ValueError(f"rollout.weight_sync.mode must be tensor, distributed or disk here (auto is resolved "
+                         f"by config.placement.weight_sync_mode), got {config.mode!r}")
+    if not config.bucket_mb > 0:
+        raise ValueError(f"rollout.weight_sync.bucket_mb must be > 0, got {config.bucket_mb}")
+    if config.every_n_steps < 1:
+        raise ValueError(f"rollout.weight_sync.every_n_steps must be >= 1, got {config.every_n_steps}")
+    if config.mode == "disk" and not disk_dir:
+        raise ValueError("weight sync with rollout.weight_sync.mode=disk needs a disk_dir (a directory engines read)")
 
-    mode: SyncMode = "tensor"
-    """tensor (colocated engines), distributed (a process group to the engines), disk (fallback)."""
-    bucket_mb: float = 256.0
-    """Bucket size in MiB: the most tensor bytes rank 0 holds and sends at once (one bigger tensor
-    is a bucket of its own)."""
-    every_n_steps: int = 1
-    """Sync after every N-th applied actor update (policy version)."""
-    checksum: bool = False
-    """Hash what was exported and what went on the wire, and compare (debugging; costs a hash pass)."""
-    engine_format: Literal["safetensors", "sglang"] = "safetensors"
-    """Tensor-mode payload: safetensors (CPU engine) or SGLang's CUDA-IPC serialisation."""
-    engine_tp_size: int = 1
-    """Each engine's TP size: SGLang payload copies (tensor mode), group ranks per engine (distributed)."""
-    disk_dir: str = ""
-    """Disk mode: a directory every engine can read, owned by weight sync (its `v*` entries are
-    replaced); required for mode=disk."""
-    master_address: str = ""
-    """Distributed mode: the address at which the engines reach trainer rank 0; '' = MASTER_ADDR
-    (where rank 0 hosts torch.distributed's store, so reachable from every node), else 127.0.0.1."""
-    master_port: int = 0
-    """Distributed mode: TCP port of the group's store on trainer rank 0 (0: a free port)."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Distributed mode: auto = NCCL with CUDA, gloo without."""
-    group_name: str = wt.DEFAULT_GROUP_NAME
-    timeout_s: float = 600.0
-    """Distributed mode: how long a group join or a broadcast may wait for the engines."""
 
-    def __post_init__(self) -> None:
-        if self.mode not in ("tensor", "distributed", "disk"):
-            raise ValueError(f"rollout.weight_sync.mode must be tensor, distributed or disk, got {self.mode!r}")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"rollout.weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.every_n_steps < 1:
-            raise ValueError(f"rollout.weight_sync.every_n_steps must be >= 1, got {self.every_n_steps}")
-        if self.engine_tp_size < 1:
-            raise ValueError(f"rollout.weight_sync.engine_tp_size must be >= 1, got {self.engine_tp_size}")
-        if self.mode == "disk" and not self.disk_dir:
-            raise ValueError("rollout.weight_sync.disk_dir is required with mode=disk (a directory the engines read)")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * 2**20))
-
-    def due(self, policy_version: int) -> bool:
-        """Whether the actor at `policy_version` (applied updates so far) is to be pushed."""
-        return policy_version > 0 and policy_version % self.every_n_steps == 0
+def is_due(config: WeightSyncConfig, policy_version: int) -> bool:
+    """Whether the actor at `policy_version` (applied updates so far) is to be pushed."""
+    return policy_version > 0 and policy_version % config.every_n_steps == 0
 
 
 @dataclass
@@ -154,24 +121,54 @@ def weights_checksum(named: Mapping[str, torch.Tensor]) -> str:
 class WeightSync:
     """Trainer side of weight sync; one per run (it keeps the distributed group)."""
 
-    def __init__(self, exporter: HFWeightExporter, config: WeightSyncConfig, src_rank: int = 0) -> None:
+    def __init__(self, exporter: HFWeightExporter, config: WeightSyncConfig, *, src_rank: int = 0,
+                 engine_format: Literal["safetensors", "sglang"] = "safetensors", engine_tp_size: int = 1,
+                 disk_dir: str = "", master_port: int = 0, backend: Literal["auto", "gloo", "nccl"] = "auto",
+                 group_name: str = wt.DEFAULT_GROUP_NAME, timeout_s: float = 600.0) -> None:
+        """`config` is the run's `rollout.weight_sync` with its mode resolved (not `auto`); the rest
+        is what the run knows of its engines, not configuration:
+
+        engine_format   tensor-mode payload: safetensors (CPU engine) or SGLang's CUDA-IPC serialisation
+        engine_tp_size  each engine's TP size: SGLang payload copies (tensor), group ranks per engine
+                        (distributed)
+        disk_dir        disk mode: a directory every engine can read, owned by weight sync (its `v*`
+                        entries are replaced); required for mode=disk
+        master_port     distributed mode: TCP port of the group's store on trainer rank 0 (0: a free port)
+        backend         distributed mode: auto = NCCL with CUDA, gloo without
+        timeout_s       distributed mode: how long a group join or a broadcast may wait for the engines
+        """
+        check_weight_sync(config, disk_dir)
+        if engine_tp_size < 1:
+            raise ValueError(f"weight sync: engine_tp_size must be >= 1, got {engine_tp_size}")
         self.exporter = exporter
         self.config = config
+        self.mode: SyncMode = config.mode  # type: ignore[assignment]  # resolved: checked above
         self.src_rank = src_rank
+        self.engine_format = engine_format
+        self.engine_tp_size = engine_tp_size
+        self.disk_dir = disk_dir
+        self.master_port = master_port
+        self.group_name = group_name
+        self.timeout_s = timeout_s
         self._group: Any = None
         self._group_urls: tuple[str, ...] = ()
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self._backend = (("nccl" if torch.cuda.is_available() else "gloo") if config.backend == "auto"
-                         else config.backend)
+        self._backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
         self._session_open: list[Any] = []
         # Tensors stay on the GPU only for CUDA-IPC payloads and NCCL broadcasts.
-        self._cpu = not ((config.mode == "tensor" and config.engine_format == "sglang")
-                         or (config.mode == "distributed" and self._backend == "nccl"))
+        self._cpu = not ((self.mode == "tensor" and engine_format == "sglang")
+                         or (self.mode == "distributed" and self._backend == "nccl"))
+
+    @property
+    def bucket_bytes(self) -> int:
+        """`rollout.weight_sync.bucket_mb` in bytes: the most tensor bytes rank 0 holds and sends at
+        once (one bigger tensor is a bucket of its own)."""
+        return max(1, int(self.config.bucket_mb * 2**20))
 
     # ---- both sides ----------------------------------------------------------------------------
 
     def _buckets(self) -> Iterator[dict[str, torch.Tensor]]:
-        return self.exporter.buckets(self.config.bucket_bytes, cpu=self._cpu, src_rank=self.src_rank)
+        return self.exporter.buckets(self.bucket_bytes, cpu=self._cpu, src_rank=self.src_rank)
 
     def follow(self) -> None:
         """Every trainer rank but `src_rank`: take part in the stream (keeps nothing)."""
@@ -192,18 +189,18 @@ class WeightSync:
     async def push(self, clients: Sequence[Any], version: int | str) -> SyncReport:
         """On `src_rank`, inside the loop the clients belong to, while the other ranks `follow()`."""
         version = str(version)
-        report = SyncReport(version=version, mode=self.config.mode, engines=[c.base_url for c in clients])
+        report = SyncReport(version=version, mode=self.mode, engines=[c.base_url for c in clients])
         start = time.perf_counter()
         buckets = self._buckets()
         sender = {"tensor": self._send_tensor, "distributed": self._send_distributed, "disk": self._send_disk}
         try:  # whatever fails, the stream is drained below: the other trainer ranks are in its gathers
             if not clients:
                 raise ValueError("weight sync needs at least one engine client")
-            if self.config.mode == "distributed":
+            if self.mode == "distributed":
                 await self._ensure_group(clients)
-            if self.config.mode != "disk":
+            if self.mode != "disk":
                 await self._begin(clients)
-            await sender[self.config.mode](clients, self._timed(buckets, report), version, report)
+            await sender[self.mode](clients, self._timed(buckets, report), version, report)
             await self._end(clients, strict=True)
         except BaseException:
             await self._end(clients, strict=False)  # best effort: a session left open refuses the next begin
@@ -211,7 +208,7 @@ class WeightSync:
             raise
         finally:
             await asyncio.to_thread(_drain, buckets, self._device)  # keep the other ranks' collectives matched
-        if self.config.mode != "disk":
+        if self.mode != "disk":
             await _each(clients, "set the weight version",
                         lambda c: c.update_weight_version(version, abort_all_requests=False))
         got = await asyncio.gather(*(c.get_weight_version() for c in clients))
@@ -270,10 +267,10 @@ class WeightSync:
                 raise WeightSyncError(f"checksum: {name!r} differs between the export and the {what}")
 
     async def _send_tensor(self, clients, buckets, version: str, report: SyncReport) -> None:
-        sglang = self.config.engine_format == "sglang"
+        sglang = self.engine_format == "sglang"
         async for bucket in buckets:
             if sglang:  # `flat` (what the IPC handle points at) stays alive until every engine answered
-                payload, flat = wt.encode_sglang_flattened_payload(bucket, self.config.engine_tp_size)
+                payload, flat = wt.encode_sglang_flattened_payload(bucket, self.engine_tp_size)
             else:
                 payload, flat = [await asyncio.to_thread(wt.encode_safetensors_payload, bucket)], None
                 self._check_wire(wt.decode_safetensors_payload(payload[0]), bucket, report, "tensor payload")
@@ -292,7 +289,7 @@ class WeightSync:
             shapes = [list(t.shape) for t in tensors]
             announce = _each(clients, f"update_weights_from_distributed (bucket {report.num_buckets})",
                              lambda c, n=names, d=dtypes, s=shapes: c.update_weights_from_distributed(
-                                 n, d, s, group_name=self.config.group_name, flush_cache=False))
+                                 n, d, s, group_name=self.group_name, flush_cache=False))
             await asyncio.gather(announce, asyncio.to_thread(self._broadcast, group, tensors))
 
     def _broadcast(self, group: Any, tensors: list[torch.Tensor]) -> None:
@@ -303,7 +300,7 @@ class WeightSync:
     async def _send_disk(self, clients, buckets, version: str, report: SyncReport) -> None:
         from safetensors.torch import load_file, save_file
 
-        root = Path(self.config.disk_dir)
+        root = Path(self.disk_dir)
         final, tmp = root / f"v{version}", root / f".v{version}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -342,13 +339,13 @@ class WeightSync:
         if self._group is not None and urls == self._group_urls:
             return
         await self.close_group(clients)
-        port = self.config.master_port or free_port()
-        cfg, address = self.config, self.master_address
-        world = 1 + len(clients) * cfg.engine_tp_size  # an engine joins with one rank per TP rank
+        port = self.master_port or free_port()
+        address = self.master_address
+        world = 1 + len(clients) * self.engine_tp_size  # an engine joins with one rank per TP rank
         opened = asyncio.to_thread(self._open_group, address, port, world)
-        joins = [c.init_weights_update_group(address, port, rank_offset=1 + i * cfg.engine_tp_size,
+        joins = [c.init_weights_update_group(address, port, rank_offset=1 + i * self.engine_tp_size,
                                              world_size=world,
-                                             group_name=cfg.group_name, backend=self._backend)
+                                             group_name=self.group_name, backend=self._backend)
                  for i, c in enumerate(clients)]
         results = await asyncio.gather(opened, *joins, return_exceptions=True)
         errors = [f"{c.base_url}: {r}" for c, r in zip(clients, results[1:], strict=True) if isinstance(r, Exception)]
@@ -361,8 +358,8 @@ class WeightSync:
     def _open_group(self, address: str, port: int, world: int) -> Any:
         if self._device is not None and self._backend == "nccl":
             torch.cuda.set_device(self._device)
-        return wt.init_update_group(address, port, 0, world, self.config.group_name, self._backend,
-                                    self.config.timeout_s)
+        return wt.init_update_group(address, port, 0, world, self.group_name, self._backend,
+                                    self.timeout_s)
 
     async def close_group(self, clients: Sequence[Any] = ()) -> None:
         """Destroy the group on both ends (engines that still answer destroy theirs; the trainer's
@@ -373,7 +370,7 @@ class WeightSync:
         group, self._group = self._group, None
         live = [c for c in clients if c.base_url in self._group_urls]
         self._group_urls = ()
-        await asyncio.gather(*(c.destroy_weights_update_group(self.config.group_name) for c in live),
+        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in live),
                              return_exceptions=True)
         await asyncio.to_thread(wt.destroy_update_group, group)
 

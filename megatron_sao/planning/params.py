@@ -186,7 +186,7 @@ def load_hf_config(model: Any) -> dict[str, Any]:
         hf = read_config(path)
         check_required_fields(hf, str(path / "config.json"))
     elif model.build_tiny and path is not None:
-        from megatron_sao.utils.tiny_hf import tiny_hf_config
+        from megatron_sao.models.tiny_hf import tiny_hf_config
 
         hf = tiny_hf_config(model.tiny_family).to_dict()
     else:

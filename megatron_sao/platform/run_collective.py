@@ -1,8 +1,8 @@
 """Run a collective conversion function in this process, under a launcher, or on local workers.
 
 - under torchrun (RANK / WORLD_SIZE set) every process calls the function itself;
-- under srun without torchrun, SLURM's variables are adopted (MASTER_ADDR / MASTER_PORT must be
-  exported; docs/conversion.md#multi-process gives the command);
+- under srun without torchrun, SLURM's variables are adopted (`platform.slurm.adopt_slurm_env`:
+  MASTER_ADDR and MASTER_PORT must be exported; docs/conversion.md#multi-process gives the command);
 - otherwise `nproc` > 1 spawns that many local processes (`platform.run_distributed`), and 1 runs
   the function here, as a world of one.
 The result is rank 0's.
@@ -15,19 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _adopt_slurm_env() -> None:
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
-        return
-    if "MASTER_ADDR" not in os.environ:
-        raise ValueError("running under srun with several tasks but MASTER_ADDR is not set: export MASTER_ADDR "
-                         "(the first node of the job) and MASTER_PORT, or launch with torchrun")
-    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    os.environ.setdefault("MASTER_PORT", "29500")
-
-
 def under_launcher() -> bool:
-    _adopt_slurm_env()
+    """Whether this process is a rank a launcher started: torchrun's variables, or several srun
+    tasks (adopted by `platform.slurm.adopt_slurm_env`, the same rule as the trainer's rank steps)."""
+    from megatron_sao.platform.slurm import adopt_slurm_env
+
+    adopt_slurm_env()
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 

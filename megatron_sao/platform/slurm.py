@@ -1,4 +1,5 @@
-"""Inside a Slurm job: node names, the IP each node advertises, per-job port ranges.
+"""Inside a Slurm job: node names, the IP each node advertises, per-job port ranges, and a task's
+rank from Slurm's variables (`adopt_slurm_env`).
 
 The failures users of Ray-on-Slurm stacks keep reporting start here: the head advertising the
 wrong interface (a docker bridge, an IPoIB name that does not resolve), and two jobs sharing a
@@ -6,13 +7,14 @@ node picking the same Ray / master ports. So: node names come from Slurm's own h
 the IP from a named interface when one is given (else the hostname's first non-loopback
 address), always logged; ports come from a configurable range, one block per job id.
 
-Also a small command-line face used by launchers/slurm/ (`python -m megatron_sao.platform.slurm
+Also a small command-line face used by the job script (sao_job.sbatch.in) (`python -m megatron_sao.platform.slurm
 node-ip|ports|hostnames`), so the job script needs no parsing of its own.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 import sys
@@ -23,6 +25,30 @@ from megatron_sao.utils.args import SaoArgumentParser
 PORTS_PER_JOB = 16
 """Ports one job takes from its block (Ray GCS, dashboard, client, node/object managers, the
 torch.distributed master, engine rendezvous, ...)."""
+
+
+def adopt_slurm_env() -> bool:
+    """Under an srun task without torchrun's variables, set RANK / WORLD_SIZE / LOCAL_RANK /
+    LOCAL_WORLD_SIZE from Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+    SLURM_NTASKS_PER_NODE). True when this process is one rank of several.
+
+    The one rule for every caller (the rank steps of `platform/srun.py`, conversions under srun in
+    `platform/run_collective.py`): torchrun's RANK wins and is left as it is; a single task (or no
+    Slurm) is left alone; several tasks need MASTER_ADDR and MASTER_PORT exported (ValueError
+    otherwise): every task must reach the same rendezvous, and no fixed default port is taken,
+    since jobs sharing a node would collide on it (`job_port_block` gives each job its own)."""
+    if "RANK" in os.environ:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if "SLURM_PROCID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return False
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError("running as one of several srun tasks but MASTER_ADDR / MASTER_PORT are not set: export "
+                         "the first node's address and a free port (the job script of `sao launch slurm` does; "
+                         "docs/conversion.md#multi-process), or launch with torchrun")
+    local_size = os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]  # '4(x2)': 4 tasks on each of 2 nodes
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=local_size)
+    return True
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -88,7 +114,7 @@ def node_ip(interface: str = "", hostname: str | None = None, allow_loopback: bo
     if interface:
         return interface_ip(interface)
     host = hostname or socket.gethostname()
-    candidates = [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)]
+    candidates = [str(info[4][0]) for info in socket.getaddrinfo(host, None, socket.AF_INET)]
     for ip in candidates:
         if not ipaddress.ip_address(ip).is_loopback:
             return ip

@@ -2,12 +2,12 @@
 
 Inside a Slurm job the trainer ranks of a multi-node run are srun tasks: one step of
 `world_size` tasks spread `ntasks_per_node` to a node. Each task adopts Slurm's task variables
-as the env:// ones torch.distributed reads (RANK, WORLD_SIZE, LOCAL_RANK; MASTER_ADDR and
-MASTER_PORT come from the job script, which exports the head node's advertised IP and a port of
-the job's block), calls the function and writes its result (or its traceback) into a directory
-every node sees (the run directory). The caller gets the per-rank results in rank order, or
-RankFailed with the failing ranks' tracebacks (`RankUserError` for a user error), like
-`run_distributed`.
+as the env:// ones torch.distributed reads (`platform.slurm.adopt_slurm_env`: RANK, WORLD_SIZE,
+LOCAL_RANK; MASTER_ADDR and MASTER_PORT come from the job script, which exports the head node's
+advertised IP and a port of the job's block), calls the function and writes its result (or its
+traceback) into a directory every node sees (the run directory). The caller gets the per-rank
+results in rank order, or RankFailed with the failing ranks' tracebacks (`RankUserError` for a
+user error), like `run_distributed`.
 
 Why a step and files rather than Ray actors: the trainer needs one process per GPU with NCCL
 between them, which is what srun gives; `--kill-on-bad-exit` turns one crashed rank into a failed
@@ -32,28 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_sao.platform.slurm import adopt_slurm_env
 from megatron_sao.platform.spawn import rank_failure, user_error_of
 from megatron_sao.utils.atomic import atomic_write_bytes
 
 STOP_SIGNAL = signal.SIGUSR2
 """What the caller sends srun for a graceful stop; tasks treat it as SIGTERM."""
-
-
-def adopt_slurm_env() -> bool:
-    """Under an srun task without torchrun's variables, set RANK / WORLD_SIZE / LOCAL_RANK /
-    LOCAL_WORLD_SIZE from Slurm's. True when this process is one rank of several. ValueError when
-    MASTER_ADDR is missing (every task must reach the same rendezvous address)."""
-    if "RANK" in os.environ:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if "SLURM_PROCID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
-        return False
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise ValueError("running as one of several srun tasks but MASTER_ADDR / MASTER_PORT are not set: export "
-                         "the first node's address and a free port (the job script of `sao launch slurm` does)")
-    local_size = os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
-    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=local_size)
-    return True
 
 
 def srun_command(payload: Path, world_size: int, ntasks_per_node: int, python: str = sys.executable,

@@ -6,7 +6,7 @@
 | `trajectory`, `trajectory_io`, `trajectory_batch` | the trajectory record, Parquet / JSONL, padded tensors |
 | `client`, `engine_pool`, `weight_transfer` | SGLang-protocol client, routing over engines, weight payloads |
 | `launcher` | start / watch / restart SGLang (GPU) or CPU engine servers |
-| `cpu_engine` | the CPU engine server (`python -m megatron_sao.rollout.cpu_engine`) |
+| `cpu_engine` | the old command `python -m megatron_sao.rollout.cpu_engine`; the engine is `megatron_sao.cpu_engine` |
 | `chat_format`, `agent_loop` | token-in / token-out chat rendering, the async multi-turn loop |
 
 The common names are importable from here; they load on first use so that light users of the

@@ -2,7 +2,7 @@
 
 `EngineSupervisor` starts `num_engines` servers, one process group each: real SGLang servers on GPU
 (`python -m sglang.launch_server ...`, parallelism from `EngineConfig`) or the project's CPU
-engine (`python -m megatron_sao.rollout.cpu_engine ...`). It waits for `/health_generate`,
+engine (`python -m megatron_sao.cpu_engine ...`). It waits for `/health_generate`,
 and restarts an engine whose process died on the same host and port, so clients keep their URL;
 the `EnginePool` stops routing to a dead engine and re-sends its in-flight calls elsewhere, then
 routes to it again once it answers. A restarted engine starts from `model_path` at
@@ -178,7 +178,7 @@ class EngineSupervisor:
             return [
                 sys.executable,
                 "-m",
-                "megatron_sao.rollout.cpu_engine",
+                "megatron_sao.cpu_engine",
                 *("--model", self._model_path, "--host", c.host, "--port", str(port)),
                 *("--weight-version", self._weight_version),
                 *("--random-seed", str(c.random_seed + c.first_index + index)),

@@ -24,7 +24,7 @@ TRUNCATION_REASON_KEY = "truncation_reason"
 (e.g. "max_turns"); the agent loop records it in the trajectory's `status_reason`."""
 STREAM_POSITION_KEY = "stream_position"
 """`PromptSample.metadata` key: the prompt's draw number in the run's prompt stream (0, 1, ...),
-written by the pipeline (`pipeline/engine_source.positioned`); environments whose behaviour
+written by the pipeline (`pipeline/prompts.positioned`); environments whose behaviour
 changes over a run read it (`calc_shift`)."""
 
 

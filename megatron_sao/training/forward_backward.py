@@ -60,9 +60,18 @@ def run_forward_backward(
         batch = next(data_iterator)
         output = forward_fn(model, batch)
         if loss_fn is None:
+            if isinstance(output, tuple):
+                # A tuple (the actor's `(logprobs, entropy)` from `label_outputs_processor`) travels
+                # as a dict: the schedule reads the output's device for MoE's aux-loss scale, which
+                # `get_tensor_device` finds for a tensor or a dict only (megatron-core 0.19.2
+                # pipeline_parallel/schedules.py forward_step_calc_loss).
+                output = {str(i): part for i, part in enumerate(output)}
+                unpack = lambda out: tuple(out[str(i)] for i in range(len(out)))  # noqa: E731
+            else:
+                unpack = lambda out: out  # noqa: E731
             if output_fn is None:
-                return output, lambda out, non_loss_data=False: out
-            return output, lambda out, non_loss_data=False: output_fn(out, batch)
+                return output, lambda out, non_loss_data=False: unpack(out)
+            return output, lambda out, non_loss_data=False: output_fn(unpack(out), batch)
         return output, lambda out: loss_fn(out, batch)
 
     # One iterator per model chunk: each virtual stage consumes every micro-batch once.

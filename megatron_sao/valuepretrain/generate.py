@@ -3,8 +3,10 @@
 The prompts of `data.train_path` (the first `value_pretrain.num_prompts`) are split into train and
 held-out prompts (`corpus.is_heldout`), and each split is cut into shards of
 `value_pretrain.prompts_per_shard` prompts. Every prompt is rolled out
-`value_pretrain.samples_per_prompt` times by the same engines and agent loop as RL (engines serve
-`model.hf_path`; `rollout.*` sets the environment, limits and sampling). A shard is written the
+`value_pretrain.samples_per_prompt` times by the same engines and runner as RL (`rollout/serving.py`:
+the agent loop, or the gateway's scaffold runner for a scaffold environment; engines serve
+`model.hf_path`; `rollout.*` sets the environment, limits and sampling). A scaffold episode whose
+history was rewritten yields one row per segment, in order. A shard is written the
 moment all of its trajectories are in, rows sorted by (prompt, sample); the manifest then names it.
 
 Resume: the plan is a pure function of the prompt file and the settings recorded in the manifest
@@ -137,12 +139,13 @@ class _Progress:
                         mininterval=1.0)
         self.tokens, self.shards, self.total_shards, self.start = 0, 0, shards, time.perf_counter()
 
-    def update(self, traj: Trajectory) -> None:
+    def update(self, traj: Trajectory, ended: bool = True) -> None:
+        """`traj`'s tokens; one more on the bar when it `ended` its episode."""
         self.tokens += len(traj)
         rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix_str(f"shards {self.shards}/{self.total_shards} tokens {self.tokens} ({rate:.0f}/s)",
                                  refresh=False)
-        self.bar.update(1)
+        self.bar.update(int(ended))
 
     def close(self) -> None:
         self.bar.close()
@@ -152,10 +155,7 @@ async def _run(config: SaoConfig, plans: list[ShardPlan], manifest: Manifest, co
                stop: asyncio.Event) -> int:
     from transformers import AutoTokenizer
 
-    from megatron_sao.rollout.agent_loop import AgentLoop
-    from megatron_sao.rollout.client import EngineClient
-    from megatron_sao.rollout.engine_pool import EnginePool
-    from megatron_sao.rollout.engine_supervisor import EngineSupervisor
+    from megatron_sao.rollout.serving import Serving, is_last_segment
     from megatron_sao.rollout.settings import agent_loop_config_from, engine_config_from
 
     vp = config.value_pretrain
@@ -168,23 +168,26 @@ async def _run(config: SaoConfig, plans: list[ShardPlan], manifest: Manifest, co
     # The critic routes itself: value-pretraining rollouts need no routed experts.
     engine_config = dataclasses.replace(engine_config_from(config, routing=False),
                                         log_dir=str(corpus_dir / "engine_logs"))
+    # The same composition as RL (`rollout/serving.py`): a scaffold environment runs through the gateway.
+    serving = Serving(engine_config, agent_loop_config_from(config, routing=False),
+                      AutoTokenizer.from_pretrained(config.model.hf_path), _env_factory(config),
+                      config.rollout.max_inflight_per_engine)
     try:
-        with EngineSupervisor(engine_config) as supervisor:
-            supervisor.start_monitor()
-            pool = EnginePool([EngineClient(url) for url in supervisor.urls], config.rollout.max_inflight_per_engine)
-            loop = AgentLoop(agent_loop_config_from(config, routing=False),
-                             AutoTokenizer.from_pretrained(config.model.hf_path), pool, _env_factory(config))
-            watcher = asyncio.create_task(_abort_on(stop, loop))
-            async for traj in loop.iter_trajectories(_feed(plans, vp.samples_per_prompt)):
+        async with serving:
+            runner = serving.runner
+            watcher = asyncio.create_task(_abort_on(stop, runner))
+            async for traj in runner.iter_trajectories(_feed(plans, vp.samples_per_prompt)):
                 name = traj.metadata[_SHARD_KEY]
-                received[name] += 1
-                progress.update(traj)
+                ended = is_last_segment(traj)  # a scaffold episode may come in several segments: one episode
+                received[name] += ended
+                progress.update(traj, ended)
                 if traj.status in KEPT_STATUSES:
                     pending[name].append(traj)
                 else:
                     dropped[name][str(traj.status)] = dropped[name].get(str(traj.status), 0) + 1
                 if received[name] == expected[name] and not stop.is_set():
-                    rows = sorted(pending.pop(name), key=lambda t: (t.metadata[_PROMPT_KEY], t.metadata[_SAMPLE_KEY]))
+                    rows = sorted(pending.pop(name), key=lambda t: (t.metadata[_PROMPT_KEY], t.metadata[_SAMPLE_KEY],
+                                                                    t.metadata.get("segment", 0)))
                     manifest.shards.append(write_shard(corpus_dir, name, rows, vp.row_group_size, dropped[name]))
                     write_manifest(corpus_dir, manifest)
                     written += 1

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megatron_sao.models.hf_files import HFCheckpoint, read_safetensors_header
-from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
 
 def all_tensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -27,8 +27,8 @@ from megatron_sao.checkpointing.mcore_to_hf import McoreToHfRequest, convert_mco
 from megatron_sao.checkpointing.output_dir import TMP_MARKER, disk_full_as_value_error
 from megatron_sao.models import critic_format as cf
 from megatron_sao.models.hf_files import inspect_hf_checkpoint
+from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 from megatron_sao.platform import RankFailed, run_distributed
-from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 from tests.checkpointing._helpers import rewrite_tensors, split_into_shards
 
 REPO = Path(__file__).resolve().parents[2]

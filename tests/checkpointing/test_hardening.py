@@ -25,9 +25,9 @@ from megatron_sao.checkpointing.hf_load import LoadSpec, _check_tasks, float_sta
 from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, plan_hf_to_mcore
 from megatron_sao.checkpointing.output_dir import TMP_MARKER, disk_full_as_value_error, report_leftovers
 from megatron_sao.models.hf_files import HFCheckpoint, TensorInfo
+from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 from megatron_sao.platform import run_distributed
 from megatron_sao.utils.console import EXIT_CHECK_FAILED, EXIT_INTERNAL_ERROR, EXIT_USER_ERROR, run_command
-from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 from tests.checkpointing._guard_jobs import export_with_doctored_manifests
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,8 +161,8 @@ def test_finding_5_convert_prints_only_its_result_and_verify_failure_exits_1(pri
 
 def test_sao_convert_is_registered_on_the_sao_command():
     """`sao convert` cannot silently vanish (an ImportError in the conversion CLI must fail here)."""
-    from megatron_sao.checkpointing.convert_cli import _run_verify
     from megatron_sao.cli import build_parser
+    from megatron_sao.jobs.convert import _run_verify
 
     args = build_parser().parse_args(["convert", "verify", "--hf", "a", "--mcore", "b"])
     assert args.func is _run_verify and args.quiet_log and args.verify_checksums

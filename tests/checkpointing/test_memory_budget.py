@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 from megatron_sao.platform import run_distributed
-from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 from tests.checkpointing._helpers import differences
 from tests.checkpointing._memory_jobs import round_trip_measured
 

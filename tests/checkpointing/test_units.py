@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_sao.checkpointing.convert_cli import _size, add_convert_parser
 from megatron_sao.checkpointing.families import family_of
 from megatron_sao.checkpointing.hf_load import LoadSpec, _check_tasks
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec, plan_shards
+from megatron_sao.jobs.convert import _size, add_convert_parser
 from megatron_sao.models import critic_format as cf
 from megatron_sao.models.hf_files import HFCheckpoint, TensorInfo
 

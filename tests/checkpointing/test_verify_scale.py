@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_sao.checkpointing.model_setup import Layout
+from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 from megatron_sao.platform import run_distributed
-from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 from tests.checkpointing._verify_jobs import verify_job
 
 

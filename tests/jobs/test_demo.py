@@ -28,3 +28,30 @@ def test_demo_runs_every_stage_and_reports_heldout_success(tmp_path):
     base = tmp_path / "tiny_cpu"
     for stage in ("mcore", "sft", "sft_hf", "value", "value_corpus", "sao", "sao_hf"):
         assert (base / stage).is_dir(), stage
+
+
+@pytest.mark.timeout(600)
+def test_heldout_evaluation_runs_a_gateway_scaffold_through_its_runner(tmp_path):
+    """The demo's held-out evaluation with `rollout.environment=openai_scaffold`: each episode runs
+    the scaffold against the gateway (`rollout/serving.py` picks `ScaffoldRunner`), one trajectory
+    per prompt in the prompts' order, scored by the verifier. Before the shared composition the
+    evaluation built an `AgentLoop`, whose `reset` of a scaffold environment raised TypeError:
+    every episode FAILED, success 0."""
+    from megatron_sao.config import load_config
+    from megatron_sao.jobs.demo import rollout_heldout, success_by_tier
+    from megatron_sao.rollout.datasets import load_prompts
+    from megatron_sao.rollout.envs.calc import write_calc_dataset
+    from megatron_sao.rollout.trajectory import TrajectoryStatus
+    from tests.rollout.engine_helpers import tiny_checkpoint
+    from tests.rollout.gateway.helpers import one_call_scaffold_overrides
+
+    hf_dir = tiny_checkpoint()
+    config = load_config(None, [f"run.output_dir={tmp_path}", f"model.hf_path={hf_dir}", "model.dtype=float32",
+                                "rollout.engine=cpu", "rollout.max_new_tokens_per_turn=8",
+                                "rollout.max_total_tokens=512", "rollout.max_inflight_per_engine=4",
+                                *one_call_scaffold_overrides(tmp_path)])
+    samples = load_prompts(write_calc_dataset(tmp_path / "heldout.jsonl", 3, seed=1)).samples
+    trajectories = rollout_heldout(config, hf_dir, samples, tmp_path / "engine_logs")
+    assert [t.prompt_id for t in trajectories] == [s.prompt_id for s in samples]
+    assert all(t.status == TrajectoryStatus.COMPLETED for t in trajectories), [t.status_reason for t in trajectories]
+    assert success_by_tier(trajectories)["all"] == 1.0

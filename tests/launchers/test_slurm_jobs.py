@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_sao.cli import main
-from megatron_sao.jobs.launch import job_state, wait_for_job
+from megatron_sao.platform.slurm_job import job_state, wait_for_job
 from megatron_sao.rollout.trajectory_io import write_parquet
 from tests.training.trajectories import random_trajectories
 

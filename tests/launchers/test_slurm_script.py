@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from megatron_sao.cli import main
-from megatron_sao.jobs.launch import check_container_paths
 from megatron_sao.platform.ray_cluster import check_nodes, worker_port_range
 from megatron_sao.platform.slurm import expand_hostlist, job_port_block, node_ip, parse_port_range
+from megatron_sao.platform.slurm_job import check_container_paths
 from megatron_sao.rollout.trajectory_io import write_parquet
 from tests.training.trajectories import random_trajectories
 
@@ -124,7 +124,11 @@ def test_launcher_fields_come_from_the_recipe_and_flags_override_them(tmp_path: 
 
 def test_trainer_commands_run_their_ranks_as_srun_tasks(tmp_path: Path, inputs: tuple[str, ...]) -> None:
     train = _dry_run(RECIPES / "tiny_cpu.yaml", tmp_path, "--nodes", "2", inputs=inputs)
-    assert "-m megatron_sao.jobs.train_multinode train " in train and "#SBATCH --ntasks-per-node=2\n" in train
+    # `sao train` itself (no driver of its own): launcher.kind=slurm in the resolved config makes its
+    # ranks srun tasks (platform/launch.py)
+    assert "-m megatron_sao.cli train " in train and "#SBATCH --ntasks-per-node=2\n" in train
+    config = (tmp_path / "tiny_cpu" / "launch" / "dry-run" / "config.yaml").read_text()
+    assert "kind: slurm" in config
     pretrain = _dry_run(RECIPES / "tiny_cpu.yaml", tmp_path / "b", "--command", "config show", inputs=inputs)
     assert "-m megatron_sao.cli config show " in pretrain
     convert = _dry_run(RECIPES / "tiny_cpu.yaml", tmp_path / "c", "--nodes", "2", "--command",

@@ -36,7 +36,7 @@ def _logits_vs_hf(hf_dirs: dict[str, str]) -> dict[str, float]:
 
 @pytest.mark.timeout(600)
 def test_every_family_builds_for_training_with_hf_logits(tmp_path):
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
     dirs = {f: str(build_tiny_hf_checkpoint(tmp_path / f, family=f, seed=1)) for f in FAMILIES}
     (diffs,) = run_distributed(_logits_vs_hf, 1, dirs)
@@ -77,7 +77,7 @@ def _logits_under_cp(hf_dirs: dict[str, str]) -> dict[str, float]:
 def test_every_family_under_context_parallelism_matches_hf(tmp_path):
     """CP 2 on the CPU spec: standard GQA (Qwen3, GLM-4.5's partial rotary), MLA with YaRN
     (DeepSeek-V3) through `CausalAttention`, and GLM-5's DSA through Megatron's `DSAttention`."""
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
     dirs = {f: str(build_tiny_hf_checkpoint(tmp_path / f, family=f, seed=1)) for f in FAMILIES}
     for rank_diffs in run_distributed(_logits_under_cp, 2, dirs):

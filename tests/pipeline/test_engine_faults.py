@@ -30,7 +30,7 @@ def _identity_holds(rows) -> None:
 
 def _engine_processes() -> list[psutil.Process]:
     return [p for p in psutil.Process(os.getpid()).children(recursive=True)
-            if "megatron_sao.rollout.cpu_engine" in " ".join(p.cmdline())]
+            if "megatron_sao.cpu_engine" in " ".join(p.cmdline())]
 
 
 def _after_first_step(run_dir: Path, action) -> threading.Thread:

@@ -57,7 +57,7 @@ def _first_checkpoint(proc: subprocess.Popen, tmp_path: Path) -> None:
 
 
 def _engine_alive(run: str) -> bool:
-    return any("megatron_sao.rollout.cpu_engine" in c for c in tagged(run).values())
+    return any("megatron_sao.cpu_engine" in c for c in tagged(run).values())
 
 
 def _ended(proc: subprocess.Popen, run: str, code: int | None) -> float:

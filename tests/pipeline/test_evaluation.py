@@ -47,9 +47,12 @@ class _GatedAgent:
         self.gate = asyncio.Event()
         self.loop = loop
 
-    async def run(self, samples):
+    async def iter_trajectories(self, samples):
         await self.gate.wait()
-        return [_trajectory(1.0 if i % 2 else 0.0) for i, _ in enumerate(samples)]
+        for i, sample in enumerate(samples):
+            traj = _trajectory(1.0 if i % 2 else 0.0)
+            traj.metadata.update(sample.metadata)
+            yield traj
 
 
 def test_one_evaluation_at_a_time_skips_counted_results_collected():

@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from megatron_sao.config import load_config
 from megatron_sao.jobs.train import run_train
@@ -40,6 +41,11 @@ def test_colocated_bundles_share_devices_between_trainers_and_engines():
 def test_placement_follows_the_config():
     sft = ray_placement(load_config(None, ["launcher.nproc_per_node=2", "rollout.engine=cpu"]), with_engines=False)
     assert (sft.trainer_ranks, sft.num_engines, sft.bundle_count) == (2, 0, 2)  # no engines, no rollout bundle
+    # without engines a CPU box gets CPU bundles, whatever rollout.engine names (before: GPU bundles that
+    # no CPU box can hold, for `sao sft` / `sao value-pretrain train` with launcher.ray)
+    no_engines = ray_placement(load_config(None, ["launcher.nproc_per_node=2", "rollout.engine=sglang"]),
+                               with_engines=False)
+    assert no_engines.bundles() == [{"CPU": 1.0}] * 2 or torch.cuda.is_available()
     rl = ray_placement(load_config(None, ["launcher.nproc_per_node=2", "rollout.engine=cpu", "rollout.num_engines=3",
                                           "launcher.engine_placement=colocated"]), with_engines=True)
     assert rl.placement == "colocated" and rl.engine_bundles() == [0, 1, 0] and not rl.use_gpus
@@ -62,7 +68,7 @@ def _processes(marker: str, start: bool = False) -> list[psutil.Process]:
 
 
 def _engine_servers() -> list[psutil.Process]:
-    return _processes("megatron_sao.rollout.cpu_engine")
+    return _processes("megatron_sao.cpu_engine")
 
 
 def _engine_peers(processes: list[psutil.Process], engine_ports: set[int]) -> set[int]:

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_sao.config.schema import WeightSyncConfig
 from megatron_sao.pipeline.rollout_actor import ENGINE_CALLS, RemoteEngine, RolloutActor
-from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncError
 from megatron_sao.rollout.client import EngineClient, EngineError, EngineUnavailableError
 from tests.pipeline.test_weight_sync import GREEDY, PROMPT, CheckpointExporter
 from tests.rollout.engine_helpers import cpu_engine, tiny_checkpoint_other_seed
@@ -71,12 +72,12 @@ def _actor(urls: list[str], loop: _Loop) -> RolloutActor:
 @pytest.mark.parametrize("mode", ["tensor", "disk", "distributed"])
 def test_a_push_through_the_actor_reaches_the_engines(mode, tmp_path):
     exporter = CheckpointExporter(tiny_checkpoint_other_seed())
-    config = WeightSyncConfig(mode=mode, bucket_mb=0.05, checksum=True, disk_dir=str(tmp_path / "sync"))
+    config = WeightSyncConfig(mode=mode, bucket_mb=0.05, checksum=True)
     loop = _Loop()
     with cpu_engine() as server, concurrent.futures.ThreadPoolExecutor(8) as pool:
         handle = _Handle(_actor([server.url], loop), pool, wrap=_RayTaskError)
         engines = [RemoteEngine(handle, server.url)]
-        sync = WeightSync(exporter, config)
+        sync = WeightSync(exporter, config, disk_dir=str(tmp_path / "sync"))
         report = asyncio.run(sync.push(engines, 5))  # rank 0's own loop, not the actor's
         asyncio.run(sync.close_group(engines))
         direct = EngineClient(server.url)

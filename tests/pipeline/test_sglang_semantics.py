@@ -1,4 +1,4 @@
-"""The pipeline against the CPU engine's SGLang 0.5.23 semantics (rollout/cpu_engine: weight-update
+"""The pipeline against the CPU engine's SGLang 0.5.23 semantics (megatron_sao/cpu_engine: weight-update
 session, `/model_info` version, no health answer while paused, memory released only when idle):
 the weight-update session and its clean-up after a failure, lagging engines found by their
 `/model_info` version, the trainer's update group destroyed on close (registered in torch's c10d
@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from megatron_sao.config.schema import WeightSyncConfig
 from megatron_sao.pipeline.rollout_service import RolloutService
-from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncError
 from megatron_sao.rollout.client import EngineClient, SamplingParams
 from megatron_sao.rollout.engine_pool import EnginePool
 from megatron_sao.rollout.weight_transfer import DEFAULT_GROUP_NAME
@@ -103,7 +104,7 @@ def test_the_trainer_end_of_the_update_group_is_destroyed_on_close_and_reopens()
     with cpu_engine() as server:
         async def go():
             clients = [EngineClient(server.url)]
-            sync = WeightSync(exporter, WeightSyncConfig(mode="distributed", bucket_mb=0.5, timeout_s=60))
+            sync = WeightSync(exporter, WeightSyncConfig(mode="distributed", bucket_mb=0.5), timeout_s=60)
             await sync._ensure_group(clients)  # what a distributed push opens first
             registered = DEFAULT_GROUP_NAME in _world.pg_names.values()  # as torch registers NCCL groups
             assert registered, "the trainer's end of the group is not in torch's c10d registry (GPU's NCCL one is)"
@@ -144,7 +145,7 @@ def test_colocated_suspend_and_resume_follow_sglangs_order_with_a_request_in_fli
     """retract + release (the engine is idle, as 0.5.23 asserts), the trainer's turn, the weights
     back, the push, the rest back, continue: the request in flight survives and its later tokens
     carry the new version. Releasing after an in-place pause, or pushing into released weights,
-    would stop the engine (rollout/cpu_engine/occupation.py)."""
+    would stop the engine (megatron_sao/cpu_engine/occupation.py)."""
     exporter = CheckpointExporter(tiny_checkpoint_other_seed())
     with cpu_engine() as server:
         service = _service([server.url])

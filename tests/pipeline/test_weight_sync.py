@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError, weights_checksum
+from megatron_sao.config.schema import WeightSyncConfig
+from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncError, is_due, weights_checksum
 from megatron_sao.platform import run_distributed
 from megatron_sao.rollout.client import EngineClient, SamplingParams
 from tests.pipeline.weight_sync_worker import sync_and_compare
@@ -58,12 +59,12 @@ def outputs_of_b() -> list[int]:
 @pytest.mark.parametrize("mode", MODES)
 def test_each_mode_loads_every_tensor_into_two_engines(mode, outputs_of_b, tmp_path):
     exporter = CheckpointExporter(tiny_checkpoint_other_seed())
-    config = WeightSyncConfig(mode=mode, bucket_mb=0.05, checksum=True, disk_dir=str(tmp_path / "sync"))
+    config = WeightSyncConfig(mode=mode, bucket_mb=0.05, checksum=True)
     with cpu_engine() as a, cpu_engine() as b:
 
         async def go():
             clients = [EngineClient(a.url), EngineClient(b.url)]
-            sync = WeightSync(exporter, config)
+            sync = WeightSync(exporter, config, disk_dir=str(tmp_path / "sync"))
             before = await clients[0].generate(PROMPT, GREEDY)
             report = await sync.push(clients, 7)
             outs = [await c.generate(PROMPT, GREEDY) for c in clients]
@@ -106,11 +107,14 @@ def test_a_refused_bucket_names_the_engine_and_the_call():
 @pytest.mark.parametrize(("field", "value", "needle"), [
     ("mode", "nfs", "mode"), ("bucket_mb", 0, "bucket_mb"), ("every_n_steps", 0, "every_n_steps")])
 def test_config_errors_name_the_field(field, value, needle):
-    with pytest.raises(ValueError, match=needle):
-        WeightSyncConfig(**{field: value})
+    settings = {"mode": "tensor", field: value}
+    with pytest.raises(ValueError, match=f"rollout.weight_sync.{needle}"):
+        WeightSync(None, WeightSyncConfig(**settings))
     with pytest.raises(ValueError, match="disk_dir"):
-        WeightSyncConfig(mode="disk")
-    assert [WeightSyncConfig(every_n_steps=2).due(v) for v in range(5)] == [False, False, True, False, True]
+        WeightSync(None, WeightSyncConfig(mode="disk"))
+    with pytest.raises(ValueError, match="auto is resolved"):
+        WeightSync(None, WeightSyncConfig())  # the schema's default mode: the caller resolves it
+    assert [is_due(WeightSyncConfig(every_n_steps=2), v) for v in range(5)] == [False, False, True, False, True]
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +164,14 @@ def test_sglang_engine_takes_each_mode(mode, tmp_path):
     config = EngineConfig(backend="sglang", model_path=str(tiny_checkpoint()), mem_fraction_static=0.3,
                           log_dir=str(tmp_path),
                           extra_args=["--dtype", "float32", "--attention-backend", "triton", "--disable-cuda-graph"])
-    sync_config = WeightSyncConfig(mode=mode, bucket_mb=0.05, checksum=True, disk_dir=str(tmp_path / "sync"),
-                                   engine_format="sglang")
+    sync_config = WeightSyncConfig(mode=mode, bucket_mb=0.05, checksum=True)
     with EngineSupervisor(config) as launcher:
         client = EngineClient(launcher.urls[0])
 
         async def go():
-            report = await WeightSync(CudaExporter(tiny_checkpoint_other_seed()), sync_config).push([client], 5)
+            sync = WeightSync(CudaExporter(tiny_checkpoint_other_seed()), sync_config, disk_dir=str(tmp_path / "sync"),
+                              engine_format="sglang")
+            report = await sync.push([client], 5)
             pushed = await client.generate(PROMPT, GREEDY)
             await client.update_weights_from_disk(str(tiny_checkpoint_other_seed()), weight_version="6")
             return report, pushed, await client.generate(PROMPT, GREEDY)

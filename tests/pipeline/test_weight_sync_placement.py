@@ -12,7 +12,8 @@ import pytest
 from megatron_sao.config import ConfigError
 from megatron_sao.config.loader import load_config
 from megatron_sao.config.placement import engine_placement, weight_sync_mode
-from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig
+from megatron_sao.config.schema import WeightSyncConfig
+from megatron_sao.pipeline.weight_sync import WeightSync
 from megatron_sao.rollout.settings import engine_config_from
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -40,8 +40,9 @@ def _broadcast_list(values: list[int] | None) -> list[int]:
 
 
 def sync_and_compare(hf_dir: str, overrides: list[str], modes: list[str], work: str) -> dict[str, Any]:
+    from megatron_sao.config.schema import WeightSyncConfig
     from megatron_sao.models.hf_export import HFWeightExporter
-    from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig, weights_checksum
+    from megatron_sao.pipeline.weight_sync import WeightSync, weights_checksum
     from megatron_sao.rollout.client import EngineClient, SamplingParams
     from tests.rollout.engine_helpers import cpu_engine
     from tests.training.trainer_worker import build_trainer
@@ -62,8 +63,9 @@ def sync_and_compare(hf_dir: str, overrides: list[str], modes: list[str], work: 
         for step, mode in enumerate(modes):
             metrics = trainer.train_step(random_trajectories(4, seed=step, group_size=2))
             version = trainer.state.actor_version
-            config = WeightSyncConfig(mode=mode, bucket_mb=0.1, checksum=True, disk_dir=f"{work}/disk")
-            report = WeightSync(exporter, config).sync(version, [client] if client is not None else [])
+            config = WeightSyncConfig(mode=mode, bucket_mb=0.1, checksum=True)
+            sync = WeightSync(exporter, config, disk_dir=f"{work}/disk")
+            report = sync.sync(version, [client] if client is not None else [])
             out = generate()
             tokens = _broadcast_list(out.output_ids if out is not None else None)
             mine = trainer_logprobs(trainer, tokens)

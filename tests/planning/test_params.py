@@ -69,7 +69,7 @@ def test_glm5_counts_the_sparse_attention_indexer() -> None:
 
 
 def test_groups_cover_every_parameter_of_every_tiny_family() -> None:
-    from megatron_sao.utils.tiny_hf import supported_families, tiny_hf_config
+    from megatron_sao.models.tiny_hf import supported_families, tiny_hf_config
 
     for family in supported_families():
         census = census_from_hf_config(tiny_hf_config(family).to_dict())

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_sao.cpu_engine import CPUEngineConfig, ServerThread
+from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 from megatron_sao.rollout.client import FinishReason, GenerateOutput, SamplingParams, VersionSpan
-from megatron_sao.rollout.cpu_engine import CPUEngineConfig, ServerThread
 from megatron_sao.rollout.engine_supervisor import free_port
 from megatron_sao.rollout.environment import Environment, PromptSample, StepResult
-from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 
 
 @functools.cache
@@ -53,7 +53,7 @@ def stoppy_checkpoint() -> Path:
     return path
 
 
-IM_END = 258  # <|im_end|> in the tiny tokenizer (megatron_sao.utils.tiny_hf.SPECIAL_TOKENS)
+IM_END = 258  # <|im_end|> in the tiny tokenizer (megatron_sao.models.tiny_hf.SPECIAL_TOKENS)
 
 # The tiny chat template plus tools, Qwen-style: declared tools open the prompt as a system block
 # (one JSON schema per line), and - so that a test notices observation glue computed without the

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from megatron_sao.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.agent_loop import FAILURE_INFO_KEYS, AgentLoop, AgentLoopConfig, parse_policy_version
 from megatron_sao.rollout.client import EngineClient
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.engine_pool import EnginePool
 from megatron_sao.rollout.environment import StepResult
 from megatron_sao.rollout.trajectory import RewardKind, Trajectory, TrajectoryStatus

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from megatron_sao.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_sao.rollout.client import EngineClient
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.engine_pool import EnginePool
 from megatron_sao.rollout.routing import routing_spec_from_hf_config
 from megatron_sao.rollout.trajectory import Trajectory, TrajectoryStatus

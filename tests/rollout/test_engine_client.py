@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
+from megatron_sao.cpu_engine.model_runner import ModelRunner
 from megatron_sao.rollout.client import EngineClient, EngineError, GenerateOutput, SamplingParams
-from megatron_sao.rollout.cpu_engine.model_runner import ModelRunner
 from tests.rollout.engine_helpers import cpu_engine, tiny_checkpoint
 
 LOGPROB_TOL = 1e-5  # fp32 engine vs. fp32 reference forward
@@ -122,7 +122,7 @@ def test_batch_request_answers_a_list(engine):
         ({"input_ids": []}, "empty"),
         ({"input_ids": [1], "text": "x"}, "exactly one"),
         ({"input_ids": [1], "sampling_params": {"frequency_penalty": 5.0}}, "frequency_penalty"),
-        ({"input_ids": list(range(300)) * 14}, "context length"),
+        ({"input_ids": list(range(300)) * 110}, "context length"),  # 33,000 tokens: the tiny model has 32,768 positions
         ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
         ({"input_ids": [1, 320]}, "vocabulary"),
     ],

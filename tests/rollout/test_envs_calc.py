@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_sao.models.tiny_hf import SPECIAL_TOKENS
 from megatron_sao.rollout.datasets import load_prompts
 from megatron_sao.rollout.environment import TRUNCATION_REASON_KEY, PromptSample, StepResult
 from megatron_sao.rollout.envs import make_env_factory
@@ -22,7 +23,6 @@ from megatron_sao.rollout.envs.calc import (
     oracle_action,
     write_calc_dataset,
 )
-from megatron_sao.utils.tiny_hf import SPECIAL_TOKENS
 
 
 def _play(env: CalcEnv, sample: PromptSample, policy, max_turns: int = 10) -> tuple[list[StepResult], int]:

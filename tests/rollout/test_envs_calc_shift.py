@@ -8,8 +8,7 @@ import dataclasses
 
 import pytest
 
-from megatron_sao.pipeline.engine_source import positioned
-from megatron_sao.pipeline.prompts import PromptStream
+from megatron_sao.pipeline.prompts import PromptStream, positioned
 from megatron_sao.rollout.environment import STREAM_POSITION_KEY
 from megatron_sao.rollout.envs import make_env_factory
 from megatron_sao.rollout.envs.calc import CALL_CLOSE, CALL_OPEN, generate_calc_samples, oracle_action

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from megatron_sao.models.tiny_hf import supported_families, tiny_hf_config
 from megatron_sao.rollout.recorded import load_trajectories
 from megatron_sao.rollout.routing import (
     NOT_ROUTED,
@@ -29,7 +30,6 @@ from megatron_sao.rollout.trajectory_io import (
     write_jsonl,
     write_parquet,
 )
-from megatron_sao.utils.tiny_hf import supported_families, tiny_hf_config
 from tests.training.trajectories import random_trajectories, with_random_routing
 
 

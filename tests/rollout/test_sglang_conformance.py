@@ -29,7 +29,8 @@ import httpx
 import pytest
 
 from megatron_sao.config.loader import load_config
-from megatron_sao.pipeline.weight_sync import WeightSync, WeightSyncConfig
+from megatron_sao.config.schema import WeightSyncConfig
+from megatron_sao.pipeline.weight_sync import WeightSync
 from megatron_sao.rollout.client import EngineClient, SamplingParams
 from megatron_sao.rollout.engine_supervisor import EngineSupervisor
 from megatron_sao.rollout.settings import engine_config_from
@@ -134,7 +135,7 @@ def _push_requests() -> list[dict[str, Any]]:
         for mode in ("tensor", "distributed"):
             async def go(mode: str = mode) -> None:
                 clients = [RecordingClient(a.url, log), RecordingClient(b.url, log)]
-                sync = WeightSync(exporter, WeightSyncConfig(mode=mode, bucket_mb=0.2, timeout_s=60))
+                sync = WeightSync(exporter, WeightSyncConfig(mode=mode, bucket_mb=0.2), timeout_s=60)
                 for version in (1, 2):
                     await sync.push(clients, version)
                 await sync.close_group(clients)

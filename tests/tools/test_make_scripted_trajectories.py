@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_sao.rollout.scripted_trajectories import make_scripted_trajectories
 from megatron_sao.rollout.trajectory_io import read_jsonl, read_parquet, trajectory_to_dict
-from megatron_sao.utils.scripted_trajectories import make_scripted_trajectories
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "make_scripted_trajectories.py"

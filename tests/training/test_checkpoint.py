@@ -17,7 +17,7 @@ from tests.training.full_params import checkpoint_tensors
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
     return build_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)
 

@@ -99,7 +99,13 @@ def inject_nan(hf_dir: str, role: str, nan_rank: int) -> dict[str, Any]:
     trajectories = random_trajectories(8, seed=9)
     target = getattr(trainer, role)
     poison = {"on": dist.get_rank() == nan_rank}
-    handles = [c.register_forward_hook(lambda m, i, out: out * float("nan") if poison["on"] else out)
+
+    def poisoned(module, inputs, out):  # the actor's output is `(logprobs, entropy)`, the critic's a tensor
+        if not poison["on"]:
+            return out
+        return tuple(o * float("nan") for o in out) if isinstance(out, tuple) else out * float("nan")
+
+    handles = [c.register_forward_hook(poisoned)
                for c in target.chunks]
     roles = {"actor": trainer.actor, "critic": trainer.critic}
     before = {r: (local_params(role), optimizer_tensors(role), role.scheduler.num_steps) for r, role in roles.items()}

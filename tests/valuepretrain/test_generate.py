@@ -62,3 +62,35 @@ def test_rerun_skips_complete_shards_and_rewrites_the_interrupted_one(generated,
                               "value_pretrain.samples_per_prompt=3")
     with pytest.raises(ValueError, match="samples_per_prompt"):
         run_generate(changed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_gateway_scaffold_environment_generates_through_its_runner(tmp_path):
+    """`rollout.environment=openai_scaffold`: every episode runs the scaffold against the gateway
+    (`ScaffoldRunner`, picked by `rollout/serving.py`) and lands in the corpus with the verifier's
+    reward. Before the shared composition, generation built an `AgentLoop` whose `reset` of a
+    scaffold environment raised TypeError: every episode FAILED, no row written."""
+    from megatron_sao.rollout.envs.calc import write_calc_dataset
+    from tests.rollout.engine_helpers import tiny_checkpoint
+    from tests.rollout.gateway.helpers import one_call_scaffold_overrides
+
+    prompts = write_calc_dataset(tmp_path / "prompts.jsonl", 4, seed=0)
+    config = generate_config(tmp_path, tmp_path / "corpus", tiny_checkpoint(), prompts,
+                             "value_pretrain.samples_per_prompt=1", "value_pretrain.prompts_per_shard=2",
+                             "value_pretrain.heldout_fraction=0.0", *one_call_scaffold_overrides(tmp_path))
+    result = run_generate(config)
+    manifest = read_manifest(result.corpus_dir)
+    assert not result.stopped and result.shards_written == len(manifest.shards) == 2
+    assert [s.dropped for s in manifest.shards] == [{}, {}]  # no episode failed
+    trajs = read_split(result.corpus_dir, manifest.split("train"), 1000, LoadReport())
+    assert sorted(t.prompt_id for t in trajs) == sorted(s.prompt_id for s in _calc_prompts(prompts))
+    for traj in trajs:
+        assert traj.status == TrajectoryStatus.COMPLETED and traj.terminal_reward == 1.0
+        assert traj.num_action_tokens > 0 and traj.metadata["scaffold"]["exit_code"] == 0
+
+
+def _calc_prompts(path):
+    from megatron_sao.rollout.datasets import load_prompts
+
+    return load_prompts(path).samples

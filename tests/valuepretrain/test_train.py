@@ -59,6 +59,28 @@ def test_heldout_evaluation_is_written(runs):
     assert report["bad_shards"] == [] and len(report["train_ranks"]) == 2
 
 
+@pytest.mark.slow  # a local Ray instance and one more pretraining run on top of the module's three
+@pytest.mark.timeout(900)
+def test_launcher_ray_runs_the_critics_ranks_on_ray(runs, generated, capfd):
+    """launcher.ray=true places the two ranks as Ray actors (platform/launch.py, as `sao train`;
+    before, value pretraining silently ran local processes), same run directory and checkpoints,
+    and the first two steps match the local run's."""
+    root = runs["root"]
+    config = pretrain_config(root, runs["hf_dir"], generated[1].corpus_dir, "on_ray", "run.total_steps=2",
+                             "data.batch_size=6", "value_pretrain.eval_every=2", "checkpoint.save_every=2",
+                             "launcher.ray=true")
+    code, result, run_dir = run_pretrain(config)
+    out = capfd.readouterr().out
+    assert code == 0 and result["step"] == 2 and run_dir == (root / "on_ray").resolve()
+    assert "Ray placement: " in out and "trainer ranks in [0, 1]" in out, out[-2000:]
+    assert (run_dir / "checkpoints/iter_0000002/critic").is_dir()
+    local, on_ray = metrics_rows(root / "straight")[:2], metrics_rows(run_dir)
+    assert [r["step"] for r in on_ray] == [1, 2]
+    for a, b in zip(local, on_ray, strict=True):
+        assert numeric(a).keys() == numeric(b).keys()
+        assert numeric(b) == pytest.approx(numeric(a), rel=1e-4, abs=1e-6, nan_ok=True)
+
+
 @pytest.fixture(scope="module")
 def handoff(runs) -> dict:
     """The pretrained critic's values restored in its own layout (DP2), and an RL trainer's whose critic
@@ -89,7 +111,7 @@ def test_handoff_into_another_layout_keeps_the_critics_predictions(handoff):
 def test_heldout_explained_variance_rises_on_the_scripted_task(tmp_path, tiny_hf_dir):
     """The scripted calculator task (reward predictable from the prompt's difficulty tag, best
     possible EV ~0.81): held-out explained variance above 0.5 after 80 steps of 16."""
-    from megatron_sao.utils.scripted_trajectories import make_scripted_trajectories
+    from megatron_sao.rollout.scripted_trajectories import make_scripted_trajectories
     from megatron_sao.valuepretrain.corpus import write_corpus
 
     corpus = tmp_path / "corpus"

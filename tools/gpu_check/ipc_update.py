@@ -1,7 +1,7 @@
 """Check (c): the CPU engine on the GPU machine receives a weight update by CUDA IPC from the
 trainer's process, bit for bit.
 
-The engine (`python -m megatron_sao.rollout.cpu_engine`, its own process) serves a random tiny
+The engine (`python -m megatron_sao.cpu_engine`, its own process) serves a random tiny
 Qwen3-MoE checkpoint. This process is the trainer: one rank (NCCL), the actor built from that
 checkpoint on the GPU in bf16 (`models.build_model`), every parameter moved by random noise; the
 project's HF exporter (`models.hf_export.HFWeightExporter`, what weight sync streams) yields the
@@ -34,7 +34,7 @@ LABEL = "(c)"
 def start_engine(hf: Path, port: int, log: Path) -> subprocess.Popen:
     import httpx
 
-    cmd = [*python_cmd(), "-m", "megatron_sao.rollout.cpu_engine", "--model", str(hf), "--port", str(port),
+    cmd = [*python_cmd(), "-m", "megatron_sao.cpu_engine", "--model", str(hf), "--port", str(port),
            "--weight-version", "0", "--log-file", str(log)]
     engine = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("a"))
     deadline = time.monotonic() + 180
@@ -89,11 +89,11 @@ def main() -> int:
     from megatron_sao.config import load_config
     from megatron_sao.models import build_model
     from megatron_sao.models.hf_export import HFWeightExporter
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
     from megatron_sao.platform import init_model_parallel
     from megatron_sao.platform.distributed import free_port
     from megatron_sao.rollout.ipc_payload import TORCH_IPC_LOAD_FORMAT, encode_torch_ipc_payload
     from megatron_sao.rollout.weight_transfer import SAFETENSORS_LOAD_FORMAT, encode_safetensors_payload
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check_c_"))
     hf = build_tiny_hf_checkpoint(work / "hf", seed=0)

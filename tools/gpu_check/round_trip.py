@@ -51,8 +51,8 @@ def main() -> int:
     if gpu and not torch.cuda.is_available():
         return report("round_trip", LABEL, False, "no CUDA device", {})
     from megatron_sao.cli import main as sao
-    from megatron_sao.rollout.cpu_engine.weights import read_hf_checkpoint
-    from megatron_sao.utils.tiny_hf import build_tiny_hf_checkpoint
+    from megatron_sao.cpu_engine.weights import read_hf_checkpoint
+    from megatron_sao.models.tiny_hf import build_tiny_hf_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check_b_"))
     hf = build_tiny_hf_checkpoint(work / "hf", seed=0, dtype=torch.bfloat16, **(H200_MODEL if gpu else {}))

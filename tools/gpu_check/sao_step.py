@@ -33,13 +33,13 @@ H200_MODEL = dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32,
                   num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
                   vocab_size=151936, max_position_embeddings=8192)
 H200_BATCH = dict(trajectories=16, tokens=2048, micro_batch=4)
-DRY_MODEL: dict[str, int] = {}  # the tiny Qwen3-MoE of utils/tiny_hf.py
+DRY_MODEL: dict[str, int] = {}  # the tiny Qwen3-MoE of models/tiny_hf.py
 DRY_BATCH = dict(trajectories=4, tokens=96, micro_batch=2)
 
 
 def write_model(directory: Path, dims: dict[str, int]) -> Path:
     """A config.json (no weights: the trainer initialises them, model.load_weights=false)."""
-    from megatron_sao.utils.tiny_hf import tiny_hf_config
+    from megatron_sao.models.tiny_hf import tiny_hf_config
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(tiny_hf_config("qwen3_moe", **dims).to_dict()))

@@ -22,8 +22,7 @@ from typing import Any
 from megatron_sao.rollout.environment import Environment, PromptSample, StepResult
 from megatron_sao.rollout.envs.tool_calls import SYNTAXES, ToolCall, parse_tool_calls, print_last_expression
 from megatron_sao.rollout.rewards import REWARD_ERROR_KEY, RewardInput, SafeReward, extract_boxed, resolve_reward
-from megatron_sao.rollout.sandbox import SandboxConfig
-from megatron_sao.rollout.sandbox_pool import SandboxPool
+from megatron_sao.rollout.sandbox import SandboxConfig, SandboxPool
 
 PYTHON_TOOL_SCHEMA: dict[str, Any] = {
     "type": "function",

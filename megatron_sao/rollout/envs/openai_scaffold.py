@@ -7,7 +7,7 @@ session's gateway URL in `OPENAI_BASE_URL`, waited for (`timeout_s`), then `veri
 in the same directory for the reward. The scaffold's own tools run where the scaffold runs: in
 the container, or - for Python snippets - in the rollout sandbox through the helper named by
 `SAO_SANDBOX_EXEC` (`python -m megatron_sao.rollout.gateway.sandbox_exec`: code on stdin, the
-output on stdout; no network, read-only filesystem, limits of `rollout/sandbox.py`).
+output on stdout; no network, read-only filesystem, limits of `rollout/sandbox/`).
 
 Environment variables the scaffold gets (on top of ours, or of `env` when given, and `extra_env`): OPENAI_BASE_URL,
 OPENAI_API_BASE (older clients), OPENAI_API_KEY, OPENAI_MODEL, SAO_TASK_FILE, SAO_WORKDIR,

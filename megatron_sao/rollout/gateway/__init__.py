@@ -2,8 +2,9 @@
 recorded token-exactly into trajectories (docs/gateway.md).
 
 The names below load on first use: programs a scaffold starts once per tool call or episode
-(`sandbox_exec`, `examples/`) live in this package and must not pay for fastapi and the agent
-loop (~1.5 s of start-up each) when they import nothing of it.
+(`sandbox_exec` here, the worked example in the repository's `examples/swe_agent/`) import this
+package and must not pay for fastapi and the agent loop (~1.5 s of start-up each) when they import
+nothing of it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python -m megatron_sao.rollout.gateway.sandbox_exec [--timeout S] [--memory-mb M]`: run the
-Python code on stdin in the rollout sandbox (`rollout/sandbox.py`: no network, read-only
+Python code on stdin in the rollout sandbox (`rollout/sandbox/`: no network, read-only
 filesystem, private /tmp, resource limits) and print its merged output.
 
 Scaffolds behind the gateway reach it through `$SAO_SANDBOX_EXEC` to execute model-written code

@@ -61,3 +61,26 @@ async def gateway_on(clients: list[Any], tool_format: Any = "qwen3", tokenizer: 
 
 def action_spans(traj) -> list[list[int]]:
     return [traj.token_ids[t.action_start:t.action_end] for t in traj.turns]
+
+
+ONE_CALL_SCAFFOLD = '''
+import json, os
+from openai import OpenAI
+
+task = json.load(open(os.environ["SAO_TASK_FILE"]))
+reply = OpenAI().chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=task["messages"], max_tokens=8)
+open("answer.txt", "w").write(reply.choices[0].message.content or "")
+'''
+"""A scaffold on the `openai` client: one chat call through the gateway, its answer written out."""
+
+
+def one_call_scaffold_overrides(tmp_path) -> list[str]:
+    """Config overrides for `rollout.environment=openai_scaffold` running `ONE_CALL_SCAFFOLD`, whose
+    verifier gives 1.0 when the scaffold wrote its answer (so a completed episode is rewarded)."""
+    import json
+
+    script = tmp_path / "one_call_scaffold.py"
+    script.write_text(ONE_CALL_SCAFFOLD)
+    kwargs = {"command": ["{python}", str(script)], "timeout_s": 120,
+              "verifier_command": ["{python}", "-c", "import os; print(1.0 if os.path.isfile('answer.txt') else 0.0)"]}
+    return ["rollout.environment=openai_scaffold", f"rollout.environment_kwargs={json.dumps(kwargs)}"]

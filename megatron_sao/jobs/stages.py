@@ -1,0 +1,231 @@
+"""The stages `sao demo`, `sao online` and `sao study` share: each stage's own run directory
+under `<run.output_dir>/<run.name>/`, the HF -> Megatron conversion, SFT on scripted
+demonstrations, the actor exported as an HF checkpoint, value pretraining, and the SAO stage's
+settings on top of the recipe (`prepare_policy_and_critic` runs stages 1-3; each skips what is
+complete). Public so that the jobs import it, not each other's private helpers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from megatron_sao.config.schema import SaoConfig
+from megatron_sao.rollout.envs.calc import CalcTier
+
+
+@dataclass(kw_only=True)
+class DemoPlan:
+    """The sizes of the stages (the recipe gives the model, layout, RL settings and run.total_steps)."""
+
+    num_train_prompts: int = 2048
+    num_heldout_prompts: int = 128
+    num_demonstrations: int = 1024
+    sft_steps: int = 200
+    sft_lr: float = 1e-3
+    sft_batch_size: int = 32
+    value_prompts: int = 96
+    value_samples_per_prompt: int = 4
+    value_steps: int = 40
+    ray: bool = True
+    """Run the SAO stage with its trainer ranks and engines placed on a local Ray instance (the
+    placement clusters use); false: local processes."""
+    teacher: Any = None
+    """The SFT demonstration writer, `(sample, observations) -> action`; None: `calc.oracle_action`
+    (`sao online` passes `calc_shift.mixed_oracle`, demonstrations in both styles)."""
+    calc_tiers: tuple[CalcTier, ...] | None = None
+    """Difficulty tiers of the prompts (training, held-out; e.g. `calc.CALC_TIERS`): success then
+    depends on the prompt, so the critic has something to predict. None (the demo's default): the
+    two-operand problems its documented results were measured on; `sao study` uses the tiers. The
+    demo moves to tiers once runs over seeds show SAO beating SFT there (issue 31)."""
+    demonstration_tiers: tuple[CalcTier, ...] | None = None
+    """Tiers of the SFT demonstrations (None: `calc_tiers`); fewer leaves the others to RL."""
+
+
+def stage_config(config: SaoConfig, stage: str, **overrides: Any) -> SaoConfig:
+    """`config` for one stage: its own run directory `<output_dir>/<name>/<stage>`."""
+    import yaml
+
+    from megatron_sao.config.loader import config_to_dict, load_config
+
+    base = Path(config.run.output_dir) / config.run.name
+    base.mkdir(parents=True, exist_ok=True)
+    recipe = base / f"{stage}.recipe.yaml"
+    recipe.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    pairs = [f"run.output_dir={base}", f"run.name={stage}", *(f"{k}={v}" for k, v in overrides.items())]
+    return load_config(recipe, pairs)
+
+
+def convert_to_mcore(hf_dir: Path, out: Path) -> Path:
+    """`hf_dir` converted into a Megatron checkpoint at `out` (kept when already there), by the
+    converter itself (`checkpointing.hf_to_mcore.convert_hf_to_mcore`) on one spawned process:
+    its torch.distributed world stays out of the driver's. Its result line is said as
+    `sao convert hf-to-mcore` prints it; a bad input is its own user error."""
+    from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
+    from megatron_sao.jobs.convert import check_checkpoint_kinds
+    from megatron_sao.platform import run_distributed
+
+    if (out / "sao_manifest.json").is_file():
+        return out
+    check_checkpoint_kinds(str(hf_dir), None)
+    request = HfToMcoreRequest(hf_dir=Path(hf_dir), out_dir=Path(out), progress=False)
+    result = run_distributed(convert_hf_to_mcore, 1, request, timeout_s=float("inf"))[0]
+    say(f"hf-to-mcore: {result['summary']}")
+    return out
+
+
+def prompt_files(base: Path, plan: DemoPlan, seed: int) -> tuple[Path, list[Any]]:
+    """Training prompts (JSONL) and held-out prompts no training prompt repeats."""
+    from megatron_sao.rollout.envs.calc import generate_calc_samples, write_calc_dataset
+
+    tiers = plan.calc_tiers
+    train = write_calc_dataset(base / "train_prompts.jsonl", plan.num_train_prompts, seed, tiers=tiers)
+    seen = {s.metadata["expression"] for s in generate_calc_samples(plan.num_train_prompts, seed, tiers=tiers)}
+    candidates = generate_calc_samples(plan.num_heldout_prompts * 4, seed + 1_000_003, tiers=tiers)
+    heldout = [s for s in candidates if s.metadata["expression"] not in seen][: plan.num_heldout_prompts]
+    return train, heldout
+
+
+def write_prompts(path: Path, samples: list[Any]) -> Path:
+    """`samples` as a prompt dataset (JSONL, `datasets.load_prompts` reads it): the held-out
+    prompts that evaluation during training rolls out."""
+    with path.open("w", encoding="utf-8") as f:
+        for sample in samples:
+            row = {"id": sample.prompt_id, "prompt": sample.messages[-1]["content"], "answer": sample.answer,
+                   "metadata": sample.metadata}
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    return path
+
+
+def demonstrations_file(config: SaoConfig, base: Path, plan: DemoPlan, seed: int) -> Path:
+    from transformers import AutoTokenizer
+
+    from megatron_sao.rollout.demonstrations import demonstrations
+    from megatron_sao.rollout.envs.calc import generate_calc_samples, make_calc, oracle_action
+    from megatron_sao.rollout.trajectory_io import write_parquet
+
+    path = base / "demonstrations.parquet"
+    if not path.is_file():
+        samples = generate_calc_samples(plan.num_demonstrations, seed + 7,
+                                        tiers=plan.demonstration_tiers or plan.calc_tiers)
+        records = demonstrations(samples, make_calc(**config.rollout.environment_kwargs), plan.teacher or oracle_action,
+                                 AutoTokenizer.from_pretrained(config.model.hf_path), config.rollout.max_turns)
+        write_parquet(path, records)
+    return path
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    from megatron_sao.training.checkpoint import find_latest_checkpoint
+
+    found = find_latest_checkpoint(run_dir / "checkpoints")
+    if found is None:
+        raise RuntimeError(f"{run_dir} has no complete checkpoint")
+    return found
+
+
+def export_actor(config: SaoConfig, out: Path) -> Path:
+    """The actor of `config` (`actor.load`) as an HF checkpoint engines can serve."""
+    from megatron_sao.platform import run_distributed
+
+    if (out / "config.json").is_file():
+        return out
+    run_distributed(export_actor_rank, 1, config, str(out), timeout_s=float("inf"))
+    return out
+
+
+def export_actor_rank(config: SaoConfig, out: str) -> None:
+    import shutil
+
+    import safetensors.torch
+
+    from megatron_sao.models import build_model
+    from megatron_sao.models.hf_export import export_hf_state
+    from megatron_sao.platform import init_model_parallel
+    from megatron_sao.training.checkpoint import load_model_weights
+    from megatron_sao.utils.atomic import replace_dir
+
+    one = replace(config, parallelism=replace(config.parallelism, tensor=1, pipeline=1, expert=1, world_size=1))
+    init_model_parallel(one.parallelism, seed=one.run.seed)
+    built = build_model(one, "actor")
+    load_model_weights(Path(config.actor.load), "actor", built.chunks)
+    state = export_hf_state(built.chunks, config.model.hf_path, role="actor")
+    staging = Path(out + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(config.model.hf_path, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, str(staging / "model.safetensors"))
+    replace_dir(staging, Path(out))
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What stages 1-3 leave for RL: the SFT policy (HF), the value-pretrained critic, the prompts."""
+
+    base: Path
+    sft_hf: Path
+    critic_checkpoints: Path
+    train_prompts: Path
+    heldout: list[Any]
+
+
+def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
+    """Stages 1-3 of the demo (model, conversion, SFT, value pretraining), each skipped when its
+    output exists: `sao demo` and `sao online` start RL from here."""
+    from megatron_sao.jobs.train import run_train
+    from megatron_sao.jobs.value_pretrain import run_pretrain
+    from megatron_sao.models.build import prepare_hf_checkpoint
+    from megatron_sao.models.hf_files import inspect_hf_checkpoint
+    from megatron_sao.utils.progress import stage_progress
+    from megatron_sao.valuepretrain.generate import run_generate
+
+    seed = config.run.seed
+    base = Path(config.run.output_dir) / config.run.name
+    base.mkdir(parents=True, exist_ok=True)
+    hf_dir = prepare_hf_checkpoint(config.model, seed=seed)
+    inspect_hf_checkpoint(hf_dir)  # the weights stage 1 converts are there (not a config-only directory)
+    say(f"[1/5] model {hf_dir}")
+    mcore = convert_to_mcore(hf_dir, base / "mcore")
+    train_prompts, heldout = prompt_files(base, plan, seed)
+
+    say("[2/5] SFT on demonstrations")
+    sft = stage_config(config, "sft", **{"data.trajectories_path": demonstrations_file(config, base, plan, seed),
+                                          "actor.load": mcore, "run.total_steps": plan.sft_steps,
+                                          "actor.optim.lr": plan.sft_lr, "data.batch_size": plan.sft_batch_size,
+                                          "checkpoint.save_every": 0, "rollout.source": "recorded",
+                                          "launcher.ray": False})
+    check_stage(run_train(sft, mode="sft"))
+    trained = replace(sft, actor=replace(sft.actor, load=str(latest_checkpoint(base / "sft"))))
+    sft_hf = export_actor(trained, base / "sft_hf")
+
+    say("[3/5] value pretraining on the SFT policy's rollouts")
+    value = stage_config(config, "value", **{
+        "model.hf_path": sft_hf, "data.train_path": train_prompts, "run.total_steps": plan.value_steps,
+        "value_pretrain.corpus_dir": base / "value_corpus", "value_pretrain.num_prompts": plan.value_prompts,
+        "value_pretrain.samples_per_prompt": plan.value_samples_per_prompt, "critic.updates_per_actor_step": 1,
+        "checkpoint.save_every": 0, "value_pretrain.eval_every": plan.value_steps, "launcher.ray": False})
+    run_generate(value)
+    with stage_progress(value, Path(value.run.output_dir) / value.run.name):
+        check_stage(run_pretrain(value))
+    return Prepared(base, sft_hf, base / "value" / "checkpoints", train_prompts, heldout)
+
+
+def rl_stage_overrides(prepared: Prepared, plan: DemoPlan) -> dict[str, Any]:
+    """The SAO stage's settings on top of the recipe: actor from the SFT policy, critic from value
+    pretraining (so no critic-only warmup), prompts streamed to the engines (`sao study` runs its
+    variants from the same)."""
+    return {"model.hf_path": prepared.sft_hf, "critic.load": prepared.critic_checkpoints, "rollout.source": "engine",
+            "data.train_path": prepared.train_prompts, "critic.warmup_steps": 0, "launcher.ray": plan.ray}
+
+
+def say(line: str) -> None:
+    """A line of the demo's own on the terminal (third-party output goes to the log file)."""
+    from megatron_sao.utils.console import console_out
+
+    print(line, file=console_out(), flush=True)
+
+
+def check_stage(result: tuple[int, dict[str, Any], Path]) -> None:
+    code, _, run_dir = result
+    if code != 0:
+        raise RuntimeError(f"stage {run_dir} stopped with exit code {code}")
