@@ -6,7 +6,7 @@ into it (`linear_qkv.layer_norm_weight`), while the local (CPU) spec keeps separ
 Megatron-Core maps most local names onto the TE ones, but not all (MoE layers' pre-MLP norm;
 MLA's q/kv latent norms; MLA dense layers' pre-MLP norm). `model_state` renames those keys to
 the names the Transformer Engine spec uses, so a checkpoint written on CPU loads into a GPU model
-and back. Conversion (`mcore_io`) and training (`training/checkpoint*.py`) both save and load
+and back. Conversion (`mcore_io`) and training (`training/checkpoint/`) both save and load
 model weights under `model_state`'s keys: that is what makes a converted checkpoint and a
 training checkpoint the same thing. This module is all training needs of `checkpointing/`.
 """

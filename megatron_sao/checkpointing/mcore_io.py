@@ -5,7 +5,7 @@ memory bounded by the shard plus the I/O bucket (what conversion and `verify` us
 tensor staged only just before it is written, hashed as written), `load_model` /
 `start_load_model` load in place (`dist_reader.merge_in_place`), optionally in the background
 while the caller reads each parameter as it completes. Training loads through Megatron's standard
-`dist_checkpointing.load` with the same keys (`training/checkpoint_weights.py`); the result is the
+`dist_checkpointing.load` with the same keys (`training/checkpoint/weights.py`); the result is the
 same tensors either way.
 """
 

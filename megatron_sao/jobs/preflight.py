@@ -52,8 +52,8 @@ def roles_built(config: SaoConfig, mode: JobMode) -> list[str]:
 
 def check_weights_to_load(config: SaoConfig, mode: JobMode) -> None:
     """`actor.load` / `critic.load` of the roles the job builds name a checkpoint of that role
-    (`training.checkpoint_weights.resolve_weights_dir`: manifests only; the ranks check digests)."""
-    from megatron_sao.training.checkpoint_weights import resolve_weights_dir
+    (`training.checkpoint.weights.resolve_weights_dir`: manifests only; the ranks check digests)."""
+    from megatron_sao.training.checkpoint.weights import resolve_weights_dir
 
     for role in roles_built(config, mode):
         if path := getattr(config, role).load:
@@ -83,7 +83,7 @@ def check_model_files(config: SaoConfig) -> None:
 
 def check_outputs(config: SaoConfig) -> None:
     """The run directory and, when set apart, `checkpoint.dir` can be written."""
-    from megatron_sao.utils.run_logging import run_dir_of
+    from megatron_sao.training.run_dir import run_dir_of
 
     check_writable_dir(run_dir_of(config), "run directory (run.output_dir/run.name)")
     if config.checkpoint.dir:

@@ -24,11 +24,11 @@ def run_pretrain(config: SaoConfig) -> tuple[int, dict[str, Any], Path]:
     as `sao train` (`platform/launch.py`). Returns (exit code, rank 0's result, run directory)."""
     from megatron_sao.config.validate import trainer_world_size
     from megatron_sao.jobs.preflight import check_value_pretrain_job
-    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL, prepare_resume
     from megatron_sao.models.build import check_layout_fits_model
     from megatron_sao.platform.launch import launch_ranks, rank_launcher
+    from megatron_sao.training.loop import STOPPED_BY_SIGNAL
+    from megatron_sao.training.run_dir import prepare_resume, run_dir_of
     from megatron_sao.utils.console import show_output
-    from megatron_sao.utils.run_logging import run_dir_of
     from megatron_sao.valuepretrain.train_loop import pretrain_rank
 
     check_value_pretrain_job(config)
@@ -52,7 +52,7 @@ def run_pretrain(config: SaoConfig) -> tuple[int, dict[str, Any], Path]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from megatron_sao.jobs.preflight import check_outputs
-    from megatron_sao.jobs.train import STOPPED_BY_SIGNAL
+    from megatron_sao.training.loop import STOPPED_BY_SIGNAL
     from megatron_sao.utils.console import show_output
     from megatron_sao.valuepretrain.generate import run_generate
 

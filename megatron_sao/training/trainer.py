@@ -102,7 +102,10 @@ def _pad_multiple(config: SaoConfig) -> int:
     return multiple * (2 * p.context if p.context > 1 else 1)
 
 
-def _packing(config: SaoConfig, role: str) -> PackingConfig:
+def role_packing(config: SaoConfig, role: str) -> PackingConfig:
+    """How `role`'s trajectories pack into micro-batches: the one rule for every forward of that
+    role (train steps, value pretraining's held-out evaluation), padded to TP under sequence
+    parallel and to 2 x CP under context parallelism."""
     role_cfg = getattr(config, role)
     return PackingConfig(micro_batch_size=role_cfg.micro_batch_size,
                          max_tokens_per_micro_batch=role_cfg.max_tokens_per_micro_batch,
@@ -204,7 +207,7 @@ class SaoTrainer:
         return metrics
 
     def _shard(self, trajectories: Sequence[Trajectory], role: str) -> RankBatch:
-        return shard_batch(trajectories, self.dp_rank, self.dp_size, _packing(self.config, role))
+        return shard_batch(trajectories, self.dp_rank, self.dp_size, role_packing(self.config, role))
 
     def _actor_mini_batches(self, trajectories: list[Trajectory]) -> list[tuple[RankBatch, list[int]]]:
         """Per mini-batch: this rank's share and the mini-batch's indices into the global batch."""
@@ -218,7 +221,7 @@ class SaoTrainer:
 
         config = self.actor.chunks[0].config
         part = scatter_parts(trajectories if torch.distributed.get_rank() == 0 else None, self._routing_needs,
-                             self.config.actor.num_mini_batches, self.dp_size, _packing(self.config, "actor"),
+                             self.config.actor.num_mini_batches, self.dp_size, role_packing(self.config, "actor"),
                              num_moe_layers=sum(moe_layer_pattern(config)), topk=config.moe_router_topk)
         attach([mb for batch, _ in mini_batches for mb in batch.micro_batches], part["micro_batches"])
         return part["metrics"]

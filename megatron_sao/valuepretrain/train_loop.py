@@ -7,7 +7,10 @@ does in RL (reading stays per rank; only the batch's ids travel, a few MB per st
 Targets, K, frozen groups and the NaN guard are the trainer's: Monte-Carlo returns at
 `algorithm.lambda_critic=1`, TD(lambda) against the critic itself below 1.
 
-The checkpoint (training/checkpoint.py layout) carries every data-parallel rank's stream position
+The loop is `training.loop.fit`; this module holds what is value pretraining's own: the streamed
+source (`StreamedSource`) and the held-out evaluation hook (`HeldoutEvaluation`).
+
+The checkpoint (training/checkpoint/ layout) carries every data-parallel rank's stream position
 in `trainer_state.json` under `data`, so a resume continues mid-epoch exactly; it needs the same
 data-parallel size (TP / PP / EP may change). Held-out evaluation every `value_pretrain.eval_every`
 steps and after the last one writes `calibration.json` (and one per step under `calibration/`);
@@ -16,25 +19,18 @@ steps and after the last one writes `calibration.json` (and one per step under `
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.rollout.trajectory import Trajectory
 from megatron_sao.utils.atomic import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
-_stop_requested = False
 _CONSOLE = ("critic/value_loss", "critic/explained_variance", "eval/explained_variance", "perf/tokens_per_s")
-
-
-def _request_stop(signum: int, frame: Any) -> None:
-    global _stop_requested
-    _stop_requested = True
 
 
 def _dp_all_gather(obj: Any) -> list[Any]:
@@ -52,27 +48,105 @@ def _write_json(path: Path, data: Any) -> None:
     atomic_write_json(path, data)
 
 
+class StreamedSource:
+    """`training.loop.TrajectorySource` over the corpus: each data-parallel rank reads its share
+    (`per_rank` trajectories of its own row groups), and the shares are exchanged so that every
+    rank holds the step's whole batch. The state is every data-parallel rank's stream position."""
+
+    def __init__(self, stream: Any, per_rank: int, dp_rank: int, dp_size: int, corpus_dir: Path) -> None:
+        self.stream, self.per_rank, self.dp_rank, self.dp_size = stream, per_rank, dp_rank, dp_size
+        self.corpus_dir = corpus_dir
+        self.batch_started = 0.0
+        """`time.perf_counter()` when the last batch was asked for (the step's wall time with data)."""
+        self._stream_s = 0.0
+
+    def describe(self) -> str:
+        return f"corpus {self.corpus_dir}, {self.per_rank} trajectories per data-parallel rank"
+
+    def start(self, trainer: Any) -> None:
+        pass
+
+    def next_batch(self, trainer: Any) -> list[Trajectory]:
+        self.batch_started = time.perf_counter()
+        batch = [t for part in _dp_all_gather(self.stream.next_batch(self.per_rank)) for t in part]
+        self._stream_s = time.perf_counter() - self.batch_started
+        return batch
+
+    def after_step(self, trainer: Any) -> dict[str, float]:
+        return {"data/epoch": self.stream.epoch_progress, "time/stream_s": self._stream_s}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dp_size": self.dp_size, "ranks": _dp_all_gather(self.stream.state_dict()),
+                "corpus": str(self.corpus_dir)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("dp_size") != self.dp_size:
+            raise ValueError(f"it streamed the corpus over {state.get('dp_size')} data-parallel ranks, this run has "
+                             f"{self.dp_size}: resume with the same data-parallel size (TP / PP / EP may change), or "
+                             "start a new run with critic.load= to keep only the weights")
+        self.stream.load_state_dict(state["ranks"][self.dp_rank])
+
+    def close(self) -> None:
+        pass
+
+
+class HeldoutEvaluation:
+    """The `on_step` hook of value pretraining: the step's throughput with data, and the held-out
+    evaluation every `value_pretrain.eval_every` steps and after the last one (`calibration.json`,
+    one per step under `calibration/`). `last` keeps the latest result."""
+
+    def __init__(self, config: SaoConfig, run_dir: Path, source: StreamedSource, heldout: list[Trajectory],
+                 rank0: bool) -> None:
+        from megatron_sao.valuepretrain.evaluate import return_range
+
+        self.config, self.run_dir, self.source, self.heldout, self.rank0 = config, run_dir, source, heldout, rank0
+        self.value_range = return_range(heldout, config.algorithm.gamma) if heldout else None
+        self.last: Any = None
+
+    def __call__(self, trainer: Any, metrics: dict[str, float]) -> dict[str, float]:
+        with_data_s = time.perf_counter() - self.source.batch_started
+        out = {"perf/tokens_per_s_with_data": metrics["train/tokens"] / with_data_s}
+        step, every = trainer.state.step, self.config.value_pretrain.eval_every
+        if step == self.config.run.total_steps or (every and step % every == 0):
+            self.last = self.evaluate(trainer) or self.last
+            if self.last is not None and self.last.step == step:
+                out.update(self.last.metrics())
+        return out
+
+    def evaluate(self, trainer: Any) -> Any:
+        from megatron_sao.training.trainer import role_packing
+        from megatron_sao.valuepretrain.evaluate import evaluate_heldout
+
+        if not self.heldout or self.value_range is None:
+            return None
+        vp = self.config.value_pretrain
+        packing = role_packing(self.config, "critic")  # the trainer's rule: evaluation pads as training does
+        result = evaluate_heldout(trainer.critic, self.heldout, packing, self.source.dp_rank, self.source.dp_size,
+                                  self.config.algorithm.gamma, self.value_range, vp.calibration_bins,
+                                  trainer.state.step)
+        if self.rank0:
+            _write_json(self.run_dir / "calibration" / f"step_{result.step:07d}.json", result.to_dict())
+            _write_json(self.run_dir / "calibration.json", result.to_dict())
+            logger.info("held-out step %d: explained variance %s, value MSE %.4g, calibration error %.4g\n%s",
+                        result.step, result.ev_text(), result.value_mse, result.calibration_error, result.table())
+        return result
+
+
 def pretrain_rank(config: SaoConfig, run_dir: str, resume_from: str | None) -> dict[str, Any]:
-    """Train to `run.total_steps`; returns the step reached, whether a signal stopped it, the last
-    metrics and the last held-out result."""
+    """Train to `run.total_steps` (`training.loop.fit` on the streamed corpus); returns the step
+    reached, whether a signal stopped it, the last metrics and the last held-out result."""
     import torch.distributed as dist
 
-    from megatron_sao.config.loader import config_to_dict
-    from megatron_sao.jobs.train import checkpoints_dir
     from megatron_sao.platform import init_model_parallel
-    from megatron_sao.platform.collective import any_rank
     from megatron_sao.rollout.datasets import LoadReport
-    from megatron_sao.training.checkpoint import finalize_async_saves
+    from megatron_sao.training.loop import Run, fit, resume, stop_on_signals
     from megatron_sao.training.trainer import SaoTrainer
-    from megatron_sao.utils.run_logging import MetricsLogger
     from megatron_sao.valuepretrain.check import check_shards, handle_bad_shards
     from megatron_sao.valuepretrain.corpus import read_manifest
-    from megatron_sao.valuepretrain.evaluate import evaluate_heldout, return_range
     from megatron_sao.valuepretrain.settings import corpus_dir_of
     from megatron_sao.valuepretrain.stream import RankStream, read_split
 
-    signal.signal(signal.SIGTERM, _request_stop)
-    signal.signal(signal.SIGINT, _request_stop)
+    stop_on_signals()
     vp, run_path = config.value_pretrain, Path(run_dir)
     init_model_parallel(config.parallelism, seed=config.run.seed)
     corpus_dir = corpus_dir_of(config)
@@ -87,19 +161,10 @@ def pretrain_rank(config: SaoConfig, run_dir: str, resume_from: str | None) -> d
     heldout_report = LoadReport()
     heldout = read_split(corpus_dir, [s for s in manifest.split("heldout") if s.name not in bad],
                          vp.eval_max_trajectories, heldout_report, vp.on_bad_shard)
-    value_range = return_range(heldout, config.algorithm.gamma) if heldout else None
-    resume_step = None
-    if resume_from is not None:
-        state = trainer.load_checkpoint(Path(resume_from))
-        saved = state.get("data", {})
-        if saved.get("dp_size") != dp_size:
-            raise ValueError(f"checkpoint {resume_from} streamed the corpus over {saved.get('dp_size')} data-parallel "
-                             f"ranks, this run has {dp_size}: resume with the same data-parallel size (TP / PP / EP "
-                             "may change), or start a new run with critic.load= to keep only the weights")
-        stream.load_state_dict(saved["ranks"][dp_rank])
-        resume_step = trainer.state.step
-    rank0 = dist.get_rank() == 0
     per_rank = config.data.batch_size // dp_size
+    source = StreamedSource(stream, per_rank, dp_rank, dp_size, corpus_dir)
+    resume_step = resume(trainer, source, Path(resume_from) if resume_from is not None else None)
+    rank0 = dist.get_rank() == 0
     if rank0:
         totals = manifest.totals()
         logger.info("value pretraining on %s: %d train / %d held-out trajectories (%d evaluated), %d bad shard(s); "
@@ -109,58 +174,10 @@ def pretrain_rank(config: SaoConfig, run_dir: str, resume_from: str | None) -> d
         if not heldout:
             logger.warning("no held-out trajectories: no explained variance / calibration (set "
                            "value_pretrain.heldout_fraction > 0 when generating)")
-
-    def evaluate() -> Any:
-        if not heldout:
-            return None
-        result = evaluate_heldout(trainer.critic, heldout, critic_packing(config), dp_rank, dp_size,
-                                  config.algorithm.gamma, value_range, vp.calibration_bins, trainer.state.step)
-        if rank0:
-            _write_json(run_path / "calibration" / f"step_{result.step:07d}.json", result.to_dict())
-            _write_json(run_path / "calibration.json", result.to_dict())
-            logger.info("held-out step %d: explained variance %s, value MSE %.4g, calibration error %.4g\n%s",
-                        result.step, result.ev_text(), result.value_mse, result.calibration_error, result.table())
-        return result
-
-    def save(final: bool = False) -> None:
-        extra = {"data": {"dp_size": dp_size, "ranks": _dp_all_gather(stream.state_dict()), "corpus": str(corpus_dir)},
-                 "config": config_to_dict(config)}
-        trainer.save_checkpoint(checkpoints_dir(config, run_path), extra, final=final)
-
-    metrics: dict[str, float] = {}
-    last_eval = None
-    saved_step, stopped = resume_step, False
-    with MetricsLogger(config, run_path, resume_step) if rank0 else contextlib.nullcontext() as metrics_log:
-        while trainer.state.step < config.run.total_steps:
-            start = time.perf_counter()
-            batch = [t for part in _dp_all_gather(stream.next_batch(per_rank)) for t in part]
-            data_s = time.perf_counter() - start
-            metrics = trainer.train_step(batch)
-            step = trainer.state.step
-            metrics.update({"data/epoch": stream.epoch_progress, "time/stream_s": data_s,
-                            "perf/tokens_per_s_with_data": metrics["train/tokens"] / (time.perf_counter() - start)})
-            last = step == config.run.total_steps
-            if last or (vp.eval_every and step % vp.eval_every == 0):
-                last_eval = evaluate() or last_eval
-                if last_eval is not None and last_eval.step == step:
-                    metrics.update(last_eval.metrics())
-            if rank0:
-                if step % config.logging.log_every == 0 or last:
-                    metrics_log.log(metrics, step=step)
-                logger.info("step %d/%d %s", step, config.run.total_steps,
-                            " ".join(f"{k}={metrics[k]:.4g}" for k in _CONSOLE if k in metrics))
-            stop = any_rank(_stop_requested)
-            finalize_async_saves(blocking=False)
-            every = config.checkpoint.save_every
-            if stop or last or (every and step % every == 0):
-                save(final=stop or last)
-                saved_step = step
-            if stop:
-                stopped = True
-                break
-        if saved_step != trainer.state.step:
-            save(final=True)
-        finalize_async_saves(blocking=True)
+    evaluation = HeldoutEvaluation(config, run_path, source, heldout, rank0)
+    result = fit(trainer, source, Run(config, run_path, resume_step), evaluation, console_keys=_CONSOLE,
+                 log_checkpoints=False)
+    last_eval = evaluation.last
     reports = _dp_all_gather({"rank": dp_rank, "rows": _report_dict(stream.report),
                               "bad_row_groups": [vars_of(p) for p in stream.bad_units]})
     if rank0:
@@ -171,20 +188,9 @@ def pretrain_rank(config: SaoConfig, run_dir: str, resume_from: str | None) -> d
             from megatron_sao.valuepretrain.plot import plot_calibration
 
             plot_calibration(run_path / "calibration.json", run_path / "metrics.jsonl", run_path / "calibration.png")
-    return {"step": trainer.state.step, "stopped": stopped, "metrics": metrics,
+    return {"step": result["step"], "stopped": result["stopped"], "metrics": result["metrics"],
             "heldout": last_eval.to_dict() if last_eval is not None else None,
             "skipped_rows": stream.report.num_skipped, "bad_shards": sorted(bad)}
-
-
-def critic_packing(config: SaoConfig) -> Any:
-    """The critic's micro-batch packing, as the trainer derives it (padding to TP under sequence parallel)."""
-    from megatron_sao.config.validate import sequence_parallel_enabled
-    from megatron_sao.training.batches import PackingConfig
-
-    critic = config.critic
-    return PackingConfig(micro_batch_size=critic.micro_batch_size,
-                         max_tokens_per_micro_batch=critic.max_tokens_per_micro_batch,
-                         pad_to_multiple_of=config.parallelism.tensor if sequence_parallel_enabled(config) else 1)
 
 
 def vars_of(problem: Any) -> dict[str, Any]:

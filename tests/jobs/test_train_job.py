@@ -1,4 +1,4 @@
-"""`sao train` / `sao sft` as jobs: exact resume (also into another layout), run-directory rules,
+"""`sao train` / `sao sft` as jobs: exact resume (also into another layout),
 SFT -> RL hand-off through `actor.load` (gloo, CPU, tiny Qwen3-MoE, fp32)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_sao.config import load_config
-from megatron_sao.jobs.train import resolve_resume, run_train
+from megatron_sao.jobs.train import run_train
 from megatron_sao.rollout.trajectory_io import write_parquet
 from tests.training.full_params import checkpoint_tensors
 from tests.training.trainer_worker import TIMING_PREFIXES
@@ -102,24 +102,6 @@ def test_resume_into_another_layout_matches(killed_and_resumed, tmp_path, tiny_h
         assert ta.keys() == tc.keys()
         worst = max(float((ta[k].double() - tc[k].double()).abs().max()) for k in ta if ta[k].numel())
         assert worst <= 1e-6, f"{role}: {worst}"
-
-
-def test_run_directory_is_never_mixed(tmp_path, tiny_hf_dir, trajectories_file):
-    cfg = _config(tmp_path, tiny_hf_dir, trajectories_file, "used")
-    assert resolve_resume(cfg, tmp_path / "used") is None  # fresh
-    (tmp_path / "used").mkdir()
-    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ValueError, match="left no complete checkpoint"):
-        resolve_resume(cfg, tmp_path / "used")
-    with pytest.raises(ValueError, match="already holds a run"):
-        resolve_resume(_config(tmp_path, tiny_hf_dir, trajectories_file, "used", "checkpoint.resume=none"),
-                       tmp_path / "used")
-    with pytest.raises(ValueError, match="no complete checkpoint"):
-        resolve_resume(_config(tmp_path, tiny_hf_dir, trajectories_file, "fresh", "checkpoint.resume=true"),
-                       tmp_path / "fresh")
-    with pytest.raises(ValueError, match="not an iter_NNNNNNN"):
-        resolve_resume(_config(tmp_path, tiny_hf_dir, trajectories_file, "fresh",
-                               f"checkpoint.resume={tmp_path / 'nowhere'}"), tmp_path / "fresh")
 
 
 def test_engine_source_needs_a_prompt_file(tmp_path, tiny_hf_dir, trajectories_file):

@@ -30,8 +30,8 @@ def other_modes_on_emulated_device(hf_dir: str, checkpoints: str) -> dict[str, A
     value-pretraining held-out evaluation and a checkpoint saved and loaded."""
     from pathlib import Path
 
+    from megatron_sao.training.trainer import role_packing
     from megatron_sao.valuepretrain.evaluate import evaluate_heldout, return_range
-    from megatron_sao.valuepretrain.train_loop import critic_packing
     from tests.emulated_device import emulated_compute_device
 
     out: dict[str, Any] = {}
@@ -45,7 +45,7 @@ def other_modes_on_emulated_device(hf_dir: str, checkpoints: str) -> dict[str, A
         critic = build_trainer(hf_dir, [*pp2, "critic.updates_per_actor_step=1"], mode="critic")
         out["critic"] = critic.train_step(trajectories)
         gamma = critic.config.algorithm.gamma
-        heldout = evaluate_heldout(critic.critic, trajectories, critic_packing(critic.config), critic.dp_rank,
+        heldout = evaluate_heldout(critic.critic, trajectories, role_packing(critic.config, "critic"), critic.dp_rank,
                                    critic.dp_size, gamma, return_range(trajectories, gamma), 4, 1)
         out["heldout_tokens"] = heldout.num_tokens
         saved = critic.save_checkpoint(Path(checkpoints), final=True)

@@ -106,3 +106,18 @@ def test_model_batch_aligns_loss_inputs_to_the_position_that_predicts_them():
             torch.arange(mb[key].shape[1]) > 0, mb[key], torch.zeros_like(mb[key]))), key
     assert torch.equal(local["token_mask"], mb["token_mask"])  # input-aligned (router load counts)
     assert "returns" not in mb and "label_returns" not in local
+
+
+@pytest.mark.parametrize(("overrides", "multiple"), [
+    ([], 1), (["parallelism.context=2"], 4), (["parallelism.tensor=2", "parallelism.context=2"], 8),
+])
+def test_one_packing_rule_for_every_critic_forward(overrides, multiple):
+    """Train steps and value pretraining's held-out evaluation pack the critic by one rule, the
+    context-parallel term included (value pretraining had its own rule without it: 1 and 2 here)."""
+    from megatron_sao.config import load_config
+    from megatron_sao.training.trainer import role_packing
+
+    config = load_config(None, [*overrides, "launcher.nproc_per_node=4", "critic.max_tokens_per_micro_batch=64"])
+    packing = role_packing(config, "critic")
+    assert packing.pad_to_multiple_of == multiple
+    assert packing.max_tokens_per_micro_batch == 64

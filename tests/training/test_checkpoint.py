@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_sao.platform import RankFailed, run_distributed
-from megatron_sao.training import checkpoint_files as files
+from megatron_sao.training.checkpoint import files
 from tests.training import checkpoint_worker as worker
 from tests.training.full_params import checkpoint_tensors
 

@@ -1,4 +1,4 @@
-"""`checkpoint_files.verify_files` checks each file with the digest its table records: SHA-256 in a
+"""`training.checkpoint.files.verify_files` checks each file with the digest its table records: SHA-256 in a
 run's checkpoint (sao-train-checkpoint-v1), xxh3-128 in a `sao convert hf-to-mcore` output
 (sao-mcore-v2) that `actor.load` / `critic.load` may name."""
 
@@ -8,7 +8,7 @@ import hashlib
 
 import xxhash
 
-from megatron_sao.training import checkpoint_files as files
+from megatron_sao.training.checkpoint import files
 
 
 def test_verify_files_reads_sha256_and_xxh3_entries(tmp_path):

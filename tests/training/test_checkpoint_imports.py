@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _PROBE = """
 import json, sys
 import megatron_sao.training.checkpoint
-import megatron_sao.training.checkpoint_weights
+import megatron_sao.training.checkpoint.weights
 import megatron_sao.training.trainer
 print(json.dumps(sorted(m for m in sys.modules if m.startswith("megatron_sao.checkpointing"))))
 """

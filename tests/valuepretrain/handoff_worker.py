@@ -16,10 +16,10 @@ def _values(trainer) -> dict[str, list[float]]:
     from megatron_sao.models.outputs import values_from_head
     from megatron_sao.training.batches import shard_batch
     from megatron_sao.training.steps import forward_only
-    from megatron_sao.valuepretrain.train_loop import critic_packing
+    from megatron_sao.training.trainer import role_packing
 
     trajectories = random_trajectories(6, seed=31, long_every=3)
-    batch = shard_batch(trajectories, trainer.dp_rank, trainer.dp_size, critic_packing(trainer.config))
+    batch = shard_batch(trajectories, trainer.dp_rank, trainer.dp_size, role_packing(trainer.config, "critic"))
     heads = forward_only(trainer.critic, batch.micro_batches, lambda out, mb: values_from_head(out).detach())
     mine = {}
     for rows, values_bt, mb in zip(batch.trajectory_indices, heads, batch.micro_batches, strict=False):

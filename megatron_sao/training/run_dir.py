@@ -1,4 +1,11 @@
-"""Run directories and metric logging (JSONL always; wandb, offline by default)."""
+"""The run directory: where a run lives, which checkpoint it resumes from, and its metrics log.
+
+`<run.output_dir>/<run.name>/` holds the resolved `config.yaml` (and the configs of earlier
+segments of the same run, `config.before_step_NNNNNNN.yaml`), `metrics.jsonl`, the wandb files and,
+unless `checkpoint.dir` names another place, `checkpoints/`. A run directory never mixes runs:
+the resume rules (`resolve_resume`) refuse to start fresh over a run's metrics. Every training job
+(`sao train`, `sao sft`, `sao value-pretrain train`) follows these rules.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,63 @@ logger = logging.getLogger(__name__)
 
 def run_dir_of(config: SaoConfig) -> Path:
     return Path(config.run.output_dir) / config.run.name
+
+
+def checkpoints_dir(config: SaoConfig, run_dir: Path) -> Path:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+
+
+def resolve_resume(config: SaoConfig, run_dir: Path) -> Path | None:
+    """The checkpoint (an `iter_NNNNNNN` directory) this run continues from, or None for a fresh
+    start. A run directory never mixes runs: starting fresh where a run already left metrics is
+    refused, naming how to resume or rename."""
+    from megatron_sao.training.checkpoint import find_latest_checkpoint
+
+    resume = config.checkpoint.resume
+    mode = {True: "true", False: "none", "false": "none", "true": "true"}.get(resume, resume)
+    ckpt_dir = checkpoints_dir(config, run_dir)
+    latest = find_latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    used = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
+    if mode not in ("auto", "true", "none"):  # an explicit checkpoint path
+        path = Path(str(mode))
+        found = path if path.name.startswith("iter_") and path.is_dir() else find_latest_checkpoint(path)
+        if found is None:
+            raise ValueError(f"checkpoint.resume={path}: not an iter_NNNNNNN directory nor a checkpoints "
+                             "directory with a complete checkpoint")
+        if used:
+            raise ValueError(f"run directory {run_dir} already holds a run's metrics; resume it with "
+                             "checkpoint.resume=auto, or pick a new run.name to start from another checkpoint")
+        return found
+    if mode == "none":
+        if used or latest is not None:
+            raise ValueError(f"run directory {run_dir} already holds a run; continue it with checkpoint.resume=auto, "
+                             "or choose another run.name (or delete the directory) to start fresh")
+        return None
+    if latest is None:
+        if mode == "true":
+            raise ValueError(f"checkpoint.resume=true but {ckpt_dir} has no complete checkpoint")
+        if used:
+            raise ValueError(f"run directory {run_dir} holds metrics of a run that left no complete checkpoint; "
+                             "choose another run.name (or delete the directory) to start fresh")
+    return latest
+
+
+def prepare_resume(config: SaoConfig, run_dir: Path) -> tuple[Path | None, int | None]:
+    """Find the checkpoint this run continues from (`resolve_resume`) and prepare the run
+    directory for it. Returns (checkpoint or None, the step when that checkpoint already reaches
+    `run.total_steps`: nothing to train, the directory untouched)."""
+    resume_from = resolve_resume(config, run_dir)
+    if resume_from is None:
+        prepare_run_dir(config)
+        return None, None
+    step = int(resume_from.name.removeprefix("iter_"))
+    if step >= config.run.total_steps:
+        print(f"run {run_dir} is complete: checkpoint {resume_from} is at step {step} >= run.total_steps="
+              f"{config.run.total_steps}; raise run.total_steps to train on", flush=True)
+        return resume_from, step
+    print(f"resuming from {resume_from}", flush=True)
+    prepare_run_dir(config, resume_step=step)
+    return resume_from, None
 
 
 def prepare_run_dir(config: SaoConfig, resume_step: int | None = None) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_sao.training import checkpoint_compat as compat
+from megatron_sao.training.checkpoint import compat
 
 DIST_OPTIM_FORMAT = "fully_reshardable"
 PLAIN_OPTIM_FORMAT = "plain"

@@ -19,7 +19,7 @@ from typing import Any
 from megatron_sao.checkpointing import manifest as convert_manifest
 from megatron_sao.checkpointing.keys import model_state, unwrap
 from megatron_sao.platform.collective import raise_if_any, rank, world_size
-from megatron_sao.training import checkpoint_files as files
+from megatron_sao.training.checkpoint import files
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ LR scheduler and RNG state (docs/checkpoints.md).
 
 Each role directory is one Megatron `dist_checkpointing` torch_dist checkpoint. Model keys come
 from `checkpointing.keys.model_state` (layout- and layer-spec-free), the keys conversion saves
-under too, so a `sao convert hf-to-mcore` output loads as weights (`checkpoint_weights`). The distributed
+under too, so a `sao convert hf-to-mcore` output loads as weights (`weights`). The distributed
 optimizer is stored `fully_reshardable`: its shards are gathered over DP into per-parameter
 tensors keyed by the model key, so the state reshards across TP, PP, EP and DP like the weights
 (`dp_reshardable` would only allow a DP change). The plain optimizer is keyed the same way.
@@ -31,11 +31,10 @@ from megatron_sao.platform.collective import (
     rank,
     world_size,
 )
-from megatron_sao.training import checkpoint_files as files
-from megatron_sao.training import checkpoint_optim as optim
-from megatron_sao.training.checkpoint_files import find_latest_checkpoint
-from megatron_sao.training.checkpoint_rng import RNG_KEY, current_layout, rng_object, rng_state, set_rng_state
-from megatron_sao.training.checkpoint_weights import load_model_weights
+from megatron_sao.training.checkpoint import files, optim
+from megatron_sao.training.checkpoint.files import find_latest_checkpoint
+from megatron_sao.training.checkpoint.rng import RNG_KEY, current_layout, rng_object, rng_state, set_rng_state
+from megatron_sao.training.checkpoint.weights import load_model_weights
 from megatron_sao.training.optim import RoleOptimizer
 from megatron_sao.utils.atomic import atomic_write_text
 
