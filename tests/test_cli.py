@@ -69,6 +69,9 @@ CONTRACT_KEYS = ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/lr", "
                  "train/skipped_steps")
 
 
+# Slow (default-suite time, issue 28): sao train end to end: tests/pipeline/test_ray_placement.py
+# (Ray) and tests/pipeline/test_engine_lifetime.py.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_train_job_end_to_end(tmp_path):
     """The README's main job (shortened): tiny MoE actor + critic on 2 gloo ranks (EP2), recorded

@@ -276,6 +276,7 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
                             start_new_session=True, **kw)
 
 
+@pytest.mark.slow
 def test_failing_conversion_leaves_nothing_behind(hf, tmp_path):
     """A NaN in the source passes planning and fails the completeness check after the model is built."""
     rewrite_tensors(hf, lambda t: {**t, "model.norm.weight": torch.full_like(t["model.norm.weight"], float("nan"))})

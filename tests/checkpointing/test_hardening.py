@@ -141,6 +141,7 @@ def test_exit_codes_and_the_last_line(tmp_path, capfd, func, code, last):
         assert "Traceback" in log.read_text() and f"the traceback is in {log}" in err
 
 
+@pytest.mark.slow
 def test_finding_5_convert_prints_only_its_result_and_verify_failure_exits_1(pristine, tmp_path):
     """A real `sao convert`: nothing but its own lines on the terminal (the FP8GlobalStateManager
     tracebacks and Megatron warnings go to the log); a verify above tolerance exits 1, not 3."""

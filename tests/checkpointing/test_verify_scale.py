@@ -32,6 +32,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"two": two, "one": one}
 
 
+@pytest.mark.slow
 def test_multi_rank_verify_agrees_with_one_rank(runs):
     one = runs["one"][0]["verify"][Layout().describe()]
     for rank_result in runs["two"]:
@@ -41,6 +42,7 @@ def test_multi_rank_verify_agrees_with_one_rank(runs):
     assert runs["two"][0]["verify"][Layout().describe()] == one  # same computation on both sides
 
 
+@pytest.mark.slow
 def test_streamed_forward_equals_the_whole_model(runs):
     whole = runs["two"][0]["whole"]
     for result in (*runs["two"], *runs["one"]):
@@ -51,6 +53,7 @@ def test_streamed_forward_equals_the_whole_model(runs):
         assert torch.equal(result["others"]["glm_moe_dsa"][0], dsa_whole)
 
 
+@pytest.mark.slow
 def test_each_rank_loads_only_its_block_and_frees_it(runs):
     assert runs["two"][0]["loaded_units"] == ["model.embed_tokens", "model.layers.0", "model.layers.1"]
     assert runs["two"][1]["loaded_units"] == ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]

@@ -62,6 +62,9 @@ def killed_and_resumed(tmp_path_factory, tiny_hf_dir, trajectories_file) -> dict
     return {"root": root, "code": code, "result": result}
 
 
+# Slow (default-suite time, issue 28): exact resume: tests/training/test_checkpoint.py; the loop's
+# SIGTERM stop: tests/training/test_loop.py.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_kill_and_resume_is_exact(killed_and_resumed, tmp_path, tiny_hf_dir, trajectories_file):
     root = killed_and_resumed["root"]
@@ -134,7 +137,7 @@ def test_sft_checkpoint_starts_rl(tmp_path, tiny_hf_dir, trajectories_file):
     assert any(not torch.equal(fresh[k], loaded[k]) for k in model_keys)
 
 
-@pytest.mark.slow  # ~100 s, a second exact-resume variant: test_kill_and_resume_is_exact is the default suite's
+@pytest.mark.slow  # ~100 s, a second exact-resume variant of test_kill_and_resume_is_exact
 @pytest.mark.timeout(900)
 def test_checkpoint_during_critic_warmup_resumes_exactly(tmp_path, tiny_hf_dir, trajectories_file):
     """The actor's optimizer has never stepped when a checkpoint is taken in critic warmup."""

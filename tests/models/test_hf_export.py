@@ -216,6 +216,7 @@ def export_waiting_for_parameters(hf_dir: str) -> dict[str, Any]:
             "restored": len(set(restored)), "params": len(params), "order": [names[k] for k in restored]}
 
 
+@pytest.mark.slow
 def test_the_stream_waits_for_each_parameter_before_reading_it(tiny_hf_dir):
     (result,) = run_distributed(export_waiting_for_parameters, 1, str(tiny_hf_dir), timeout_s=300)
     assert result["same"], "a parameter was read before wait_for released it"
@@ -262,6 +263,7 @@ def export_blanking_exported_parameters(hf_dir: str) -> dict[str, Any]:
             "params": len({p.data_ptr() for p in params})}
 
 
+@pytest.mark.slow
 def test_on_exported_reports_each_parameter_once_after_its_last_hf_tensor(tiny_hf_dir):
     (result,) = run_distributed(export_blanking_exported_parameters, 1, str(tiny_hf_dir), timeout_s=300)
     assert result["reports"]

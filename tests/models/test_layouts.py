@@ -21,10 +21,11 @@ def single(tiny_hf_dir):
     return run_distributed(run_layout, 1, str(tiny_hf_dir), [])[0]
 
 
-# EP2 is slow here: tests/training/test_trainer_layouts.py checks a whole step in EP2 in the default suite.
+# EP2 and TP2 are slow here: tests/training/test_trainer_layouts.py checks a whole step in EP2 and
+# tests/training/test_logits.py TP2 with sequence parallelism in the default suite.
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.slow) if layout == "ep2" else layout
-                                    for layout in sorted(LAYOUTS)])
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.slow) if layout in ("ep2", "tp2_sp")
+                                    else layout for layout in sorted(LAYOUTS)])
 def test_layout_matches_single_process(tiny_hf_dir, single, layout):
     ranks = run_distributed(run_layout, 2, str(tiny_hf_dir), LAYOUTS[layout])
     for rank, res in enumerate(ranks):

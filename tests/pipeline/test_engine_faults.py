@@ -64,6 +64,7 @@ def test_colocated_placement_completes(tmp_path, tiny_hf_dir):
     assert rows[-1]["rollout/engine_restarts"] == 0 and rows[-1]["rollout/weight_sync_failures"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_engine_loses_nothing(tmp_path, tiny_hf_dir):
     cfg = _engine_config(tmp_path, tiny_hf_dir, "killed", "run.total_steps=4", "rollout.num_engines=2")

@@ -28,6 +28,8 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# Slow (default-suite time, issue 28): engine training: test_ray_placement short run; sync: test_weight_sync.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_engine_rollout_trains_and_syncs_weights(tmp_path, tiny_hf_dir):
     code, result, run_dir = run_train(_engine_config(tmp_path, tiny_hf_dir, "engine", "run.total_steps=3"))

@@ -233,6 +233,7 @@ def test_verify_files_names_missing_truncated_and_changed_files(tmp_path):
     assert files.my_share(["x", "y", "z"], 1, 2) == ["y"]
 
 
+@pytest.mark.slow
 def test_async_save_completes_only_at_finalize(hf_dir, tmp_path):
     """The GPU async path, forced on CPU (actor only, as a run without critic saves): the directory
     appears at `finalize_async_saves`, and holds the state of the step it was started at although

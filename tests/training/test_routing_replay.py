@@ -29,6 +29,7 @@ from tests.training.replay_worker import engine_replay, recorded_losses
 from tests.training.trajectories import random_trajectories, with_random_routing
 
 
+@pytest.mark.slow
 def test_recorded_routing_changes_the_actor_loss_only_with_replay(tmp_path, tiny_hf_dir):
     trajectories = random_trajectories(6, seed=21)
     files = {}

@@ -29,6 +29,10 @@ def runs(generated, tmp_path_factory):
     return {"root": root, "hf_dir": hf_dir, "straight": straight, "first": first, "resumed": resumed}
 
 
+# Slow (default-suite time, issue 28): the loop and its resume are training/loop.py's, tested there
+# and in tests/training/test_checkpoint.py; value pretraining's run stays in the default suite through
+# test_heldout_evaluation_is_written (the module's runs).
+@pytest.mark.slow
 def test_resume_mid_epoch_is_bit_identical(runs):
     root = runs["root"]
     assert [runs[k][0] for k in ("straight", "first", "resumed")] == [0, 0, 0]
@@ -92,14 +96,16 @@ def handoff(runs) -> dict:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_handoff_keeps_the_critics_predictions(handoff):
     same = handoff["same"]
     assert same["has_actor"]
     assert same["before"] == same["after"]  # bit-identical in the layout it was trained in (DP2)
 
 
-@pytest.mark.slow  # one more 2-rank job; the hand-off itself is checked above (DP2) in the default suite
+@pytest.mark.slow  # one more 2-rank job
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_handoff_into_another_layout_keeps_the_critics_predictions(handoff):
     other = run_distributed(handoff_worker.values_after, 2, handoff["hf_dir"], ["parallelism.tensor=2"],
                             handoff["iter_dir"])[0]
