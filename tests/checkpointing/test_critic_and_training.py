@@ -19,7 +19,6 @@ from tests.checkpointing._helpers import all_tensors, differences, ok
 from tests.checkpointing.conftest import DEFAULT_FAMILIES, case_key, conversion_param
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("family", "fastio", "job"),
                          [conversion_param(f, fastio=fastio) for fastio in (False, True) for f in DEFAULT_FAMILIES])
 def test_every_family_critic_round_trips(request, family, fastio, job):
