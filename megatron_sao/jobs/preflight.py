@@ -123,3 +123,41 @@ def check_value_pretrain_job(config: SaoConfig) -> None:
     check_model_files(config)
     check_weights_to_load(config, "critic")
     check_outputs(config)
+
+
+def check_launch(config: SaoConfig, command: list[str], recipe: str) -> None:
+    """`sao launch`, before anything is written: what the job would otherwise find after queueing.
+    The layout against the nodes and GPUs (`sao plan`'s checks), the launcher's port range and time
+    limit, the files the command reads (as paths on the shared file system) and the run directory.
+    ValueError / ConfigError naming the key, flag or path."""
+    from megatron_sao.jobs.plan import check_recipe_layout
+    from megatron_sao.platform.slurm import job_port_block, parse_port_range
+    from megatron_sao.utils.args import check_slurm_time
+
+    launcher = config.launcher
+    try:
+        job_port_block(0, parse_port_range(launcher.port_range))
+    except ValueError as e:
+        raise ValueError(f"launcher.port_range (--port-range): {e}") from None
+    try:
+        check_slurm_time(launcher.time_limit)
+    except ValueError as e:
+        raise ValueError(f"launcher.time_limit (--time): {e}") from None
+    name = " ".join(command)
+    if command[0] != "convert" and name != "config show":
+        check_recipe_layout(config, source=recipe)
+    if name in ("train", "sft"):
+        check_train_job(config, "sft" if name == "sft" else "rl")
+    elif name == "value-pretrain train":
+        check_value_pretrain_job(config)
+    elif name == "value-pretrain generate":
+        from megatron_sao.valuepretrain.settings import check_value_pretrain_config
+
+        check_value_pretrain_config(config, for_training=False)
+        check_model_files(config)
+        if not Path(config.data.train_path).is_file():
+            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (value-pretrain "
+                             "generate rolls out its prompts)")
+        check_outputs(config)
+    else:
+        check_outputs(config)

@@ -126,36 +126,14 @@ def latest_checkpoint(run_dir: Path) -> Path:
 
 
 def export_actor(config: SaoConfig, out: Path) -> Path:
-    """The actor of `config` (`actor.load`) as an HF checkpoint engines can serve."""
-    from megatron_sao.platform import run_distributed
+    """The actor of `config` (`actor.load`) as an HF checkpoint engines can serve (kept when already
+    there), written by the converter `sao convert mcore-to-hf` runs
+    (`training.checkpoint.export.export_role_hf`) with the config and tokenizer of `model.hf_path`."""
+    from megatron_sao.training.checkpoint.export import export_role_hf
 
-    if (out / "config.json").is_file():
-        return out
-    run_distributed(export_actor_rank, 1, config, str(out), timeout_s=float("inf"))
+    if not (out / "config.json").is_file():
+        export_role_hf(Path(config.actor.load), "actor", Path(config.model.hf_path), out)
     return out
-
-
-def export_actor_rank(config: SaoConfig, out: str) -> None:
-    import shutil
-
-    import safetensors.torch
-
-    from megatron_sao.models import build_model
-    from megatron_sao.models.hf_export import export_hf_state
-    from megatron_sao.platform import init_model_parallel
-    from megatron_sao.training.checkpoint import load_model_weights
-    from megatron_sao.utils.atomic import replace_dir
-
-    one = replace(config, parallelism=replace(config.parallelism, tensor=1, pipeline=1, expert=1, world_size=1))
-    init_model_parallel(one.parallelism, seed=one.run.seed)
-    built = build_model(one, "actor")
-    load_model_weights(Path(config.actor.load), "actor", built.chunks)
-    state = export_hf_state(built.chunks, config.model.hf_path, role="actor")
-    staging = Path(out + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(config.model.hf_path, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, str(staging / "model.safetensors"))
-    replace_dir(staging, Path(out))
 
 
 @dataclass(frozen=True, slots=True)
