@@ -21,23 +21,19 @@ local: the same checks and flow on this machine without Slurm (launchers/local/r
 from __future__ import annotations
 
 import argparse
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-from megatron_sao.jobs.preflight import check_launch, check_writable_dir
+from megatron_sao.jobs.preflight import RECIPE_COMMANDS, check_driver_command, check_launch, check_writable_dir
 from megatron_sao.platform.slurm_job import REPO, JobOptions, wait_for_job, write_job_script
-from megatron_sao.utils.args import SaoArgumentParser, int_at_least, slurm_time
+from megatron_sao.utils.args import int_at_least, slurm_time
 
 LOCAL_SCRIPT = REPO / "launchers" / "local" / "run.sh"
 _FLAG_FIELDS = {"nodes": "launcher.nnodes", "gpus_per_node": "launcher.nproc_per_node",
                 "partition": "launcher.partition", "account": "launcher.account", "time": "launcher.time_limit",
                 "container": "launcher.container_image", "interface": "launcher.network_interface",
                 "port_range": "launcher.port_range", "join_timeout": "launcher.join_timeout_s"}
-RECIPE_COMMANDS = ("train", "sft", "value-pretrain train", "value-pretrain generate", "config show")
-"""`--command`s the driver runs on the resolved recipe (`sao <command> CONFIG checkpoint.resume=auto`);
-`convert ...` is the other kind, run as given."""
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -46,40 +42,6 @@ def _overrides(args: argparse.Namespace) -> list[str]:
               if getattr(args, flag, None) is not None]
     mapped += ["launcher.requeue=true"] if getattr(args, "requeue", False) else []
     return [*args.overrides, *mapped]
-
-
-class _ParseError(ValueError):
-    pass
-
-
-class _RaisingParser(SaoArgumentParser):
-    """The `sao` parsers, raising instead of exiting: to check a `--command` before submitting it."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise _ParseError(message)
-
-
-def check_driver_command(command: str) -> list[str]:
-    """The words of `--command`, when the job can run them: a recipe command (`RECIPE_COMMANDS`) or
-    a `convert` command that `sao convert`'s own parser accepts. ValueError naming the choices."""
-    from megatron_sao.jobs.convert import add_convert_parser
-
-    words = shlex.split(command)
-    if not words:
-        raise ValueError("--command is empty: name a sao sub-command, e.g. train")
-    if words[0] == "convert":
-        parser = _RaisingParser(prog="sao")
-        add_convert_parser(parser.add_subparsers(dest="command", required=True))
-        try:
-            parser.parse_args(words)
-        except _ParseError as e:
-            raise ValueError(f"--command {command!r}: {e}") from None
-        return words
-    if " ".join(words) not in RECIPE_COMMANDS:
-        raise ValueError(f"--command {command!r}: not a sub-command the job can run; one of "
-                         f"{', '.join(repr(c) for c in RECIPE_COMMANDS)}, or 'convert hf-to-mcore|mcore-to-hf|verify "
-                         "...' (its own flags)")
-    return words
 
 
 def resolve_launch(args: argparse.Namespace, kind: str) -> tuple[object, Path, list[str]]:

@@ -5,19 +5,27 @@ scale) and, on Slurm, a place in the queue; the same error found here costs a se
 out as one line (exit 2). So the drivers (`sao train` / `sao sft`, `sao value-pretrain train`,
 and `sao launch slurm` before it writes its script) check here what they can without a model:
 the trajectory source, the weights each role starts from, and that the output directories can
-be written. What only the ranks can find (a bad row deep in a file, a shard whose bytes are
-corrupt) still comes back from them as the user error it is (`platform.spawn.RankUserError`).
+be written; `sao launch` also checks the command the job will run (`check_driver_command`) and
+the launcher's fields (`check_launch`). What only the ranks can find (a bad row deep in a file, a
+shard whose bytes are corrupt) still comes back from them as the user error it is
+(`platform.spawn.RankUserError`).
 """
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Literal
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.utils.args import SaoArgumentParser
 
 JobMode = Literal["rl", "sft", "critic"]
+
+RECIPE_COMMANDS = ("train", "sft", "value-pretrain train", "value-pretrain generate", "config show")
+"""`--command`s the driver runs on the resolved recipe (`sao <command> CONFIG checkpoint.resume=auto`);
+`convert ...` is the other kind, run as given."""
 
 
 def check_writable_dir(path: str | Path, what: str) -> Path:
@@ -161,3 +169,37 @@ def check_launch(config: SaoConfig, command: list[str], recipe: str) -> None:
         check_outputs(config)
     else:
         check_outputs(config)
+
+
+class _ParseError(ValueError):
+    pass
+
+
+class _RaisingParser(SaoArgumentParser):
+    """The `sao` parsers, raising instead of exiting: to check a `--command` before submitting it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _ParseError(message)
+
+
+def check_driver_command(command: str) -> list[str]:
+    """The words of `--command`, when the job can run them: a recipe command (`RECIPE_COMMANDS`) or
+    a `convert` command that `sao convert`'s own parser accepts. ValueError naming the choices."""
+    from megatron_sao.jobs.convert_parser import add_convert_parser
+
+    words = shlex.split(command)
+    if not words:
+        raise ValueError("--command is empty: name a sao sub-command, e.g. train")
+    if words[0] == "convert":
+        parser = _RaisingParser(prog="sao")
+        add_convert_parser(parser.add_subparsers(dest="command", required=True))
+        try:
+            parser.parse_args(words)
+        except _ParseError as e:
+            raise ValueError(f"--command {command!r}: {e}") from None
+        return words
+    if " ".join(words) not in RECIPE_COMMANDS:
+        raise ValueError(f"--command {command!r}: not a sub-command the job can run; one of "
+                         f"{', '.join(repr(c) for c in RECIPE_COMMANDS)}, or 'convert hf-to-mcore|mcore-to-hf|verify "
+                         "...' (its own flags)")
+    return words

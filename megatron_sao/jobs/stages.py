@@ -1,13 +1,13 @@
 """The stages `sao demo`, `sao online` and `sao study` share: each stage's own run directory
 under `<run.output_dir>/<run.name>/`, the HF -> Megatron conversion, SFT on scripted
-demonstrations, the actor exported as an HF checkpoint, value pretraining, and the SAO stage's
+demonstrations, the actor exported as an HF checkpoint (both by the converters `sao convert`
+runs, in a spawned process), value pretraining, and the SAO stage's
 settings on top of the recipe (`prepare_policy_and_critic` runs stages 1-3; each skips what is
 complete). Public so that the jobs import it, not each other's private helpers.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,14 @@ class DemoPlan:
     """Tiers of the SFT demonstrations (None: `calc_tiers`); fewer leaves the others to RL."""
 
 
-def stage_config(config: SaoConfig, stage: str, **overrides: Any) -> SaoConfig:
-    """`config` for one stage: its own run directory `<output_dir>/<name>/<stage>`."""
+def stage_config(config: SaoConfig, stage: str, *, under: Path | None = None, **overrides: Any) -> SaoConfig:
+    """`config` for one stage: its own run directory `<output_dir>/<name>/<stage>` (or `under/<stage>`),
+    beside the recipe it is loaded from (`<stage>.recipe.yaml`)."""
     import yaml
 
     from megatron_sao.config.loader import config_to_dict, load_config
 
-    base = Path(config.run.output_dir) / config.run.name
+    base = Path(under) if under is not None else Path(config.run.output_dir) / config.run.name
     base.mkdir(parents=True, exist_ok=True)
     recipe = base / f"{stage}.recipe.yaml"
     recipe.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
@@ -64,7 +65,7 @@ def convert_to_mcore(hf_dir: Path, out: Path) -> Path:
     its torch.distributed world stays out of the driver's. Its result line is said as
     `sao convert hf-to-mcore` prints it; a bad input is its own user error."""
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
-    from megatron_sao.jobs.convert import check_checkpoint_kinds
+    from megatron_sao.checkpointing.manifest import check_checkpoint_kinds
     from megatron_sao.platform import run_distributed
 
     if (out / "sao_manifest.json").is_file():
@@ -74,29 +75,6 @@ def convert_to_mcore(hf_dir: Path, out: Path) -> Path:
     result = run_distributed(convert_hf_to_mcore, 1, request, timeout_s=float("inf"))[0]
     say(f"hf-to-mcore: {result['summary']}")
     return out
-
-
-def prompt_files(base: Path, plan: DemoPlan, seed: int) -> tuple[Path, list[Any]]:
-    """Training prompts (JSONL) and held-out prompts no training prompt repeats."""
-    from megatron_sao.rollout.envs.calc import generate_calc_samples, write_calc_dataset
-
-    tiers = plan.calc_tiers
-    train = write_calc_dataset(base / "train_prompts.jsonl", plan.num_train_prompts, seed, tiers=tiers)
-    seen = {s.metadata["expression"] for s in generate_calc_samples(plan.num_train_prompts, seed, tiers=tiers)}
-    candidates = generate_calc_samples(plan.num_heldout_prompts * 4, seed + 1_000_003, tiers=tiers)
-    heldout = [s for s in candidates if s.metadata["expression"] not in seen][: plan.num_heldout_prompts]
-    return train, heldout
-
-
-def write_prompts(path: Path, samples: list[Any]) -> Path:
-    """`samples` as a prompt dataset (JSONL, `datasets.load_prompts` reads it): the held-out
-    prompts that evaluation during training rolls out."""
-    with path.open("w", encoding="utf-8") as f:
-        for sample in samples:
-            row = {"id": sample.prompt_id, "prompt": sample.messages[-1]["content"], "answer": sample.answer,
-                   "metadata": sample.metadata}
-            f.write(json.dumps(row, sort_keys=True) + "\n")
-    return path
 
 
 def demonstrations_file(config: SaoConfig, base: Path, plan: DemoPlan, seed: int) -> Path:
@@ -154,6 +132,7 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     from megatron_sao.jobs.value_pretrain import run_pretrain
     from megatron_sao.models.build import prepare_hf_checkpoint
     from megatron_sao.models.hf_files import inspect_hf_checkpoint
+    from megatron_sao.rollout.envs.calc import write_calc_split
     from megatron_sao.utils.progress import stage_progress
     from megatron_sao.valuepretrain.generate import run_generate
 
@@ -164,7 +143,8 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     inspect_hf_checkpoint(hf_dir)  # the weights stage 1 converts are there (not a config-only directory)
     say(f"[1/5] model {hf_dir}")
     mcore = convert_to_mcore(hf_dir, base / "mcore")
-    train_prompts, heldout = prompt_files(base, plan, seed)
+    train_prompts, heldout = write_calc_split(base / "train_prompts.jsonl", plan.num_train_prompts,
+                                              plan.num_heldout_prompts, seed, tiers=plan.calc_tiers)
 
     say("[2/5] SFT on demonstrations")
     sft = stage_config(config, "sft", **{"data.trajectories_path": demonstrations_file(config, base, plan, seed),
