@@ -38,6 +38,7 @@ import ast
 import random
 import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,11 +233,13 @@ def write_calc_dataset(path: str | Path, num_samples: int, seed: int, **kwargs: 
 
 
 def write_calc_split(path: str | Path, num_train: int, num_heldout: int, seed: int,
-                     tiers: tuple[CalcTier, ...] | None = None) -> tuple[Path, list[PromptSample]]:
+                     tiers: tuple[CalcTier, ...] | None = None,
+                     exclude: Collection[str] = ()) -> tuple[Path, list[PromptSample]]:
     """Training problems written to `path` (`write_calc_dataset`), and `num_heldout` held-out problems
-    (drawn from another seed) whose expressions no training problem repeats."""
+    (drawn from another seed) whose expressions no training problem repeats, nor `exclude` (e.g. the
+    expressions of SFT demonstrations)."""
     train = write_calc_dataset(path, num_train, seed, tiers=tiers)
-    seen = {s.metadata["expression"] for s in generate_calc_samples(num_train, seed, tiers=tiers)}
+    seen = {s.metadata["expression"] for s in generate_calc_samples(num_train, seed, tiers=tiers)} | set(exclude)
     candidates = generate_calc_samples(num_heldout * 4, seed + 1_000_003, tiers=tiers)
     return train, [s for s in candidates if s.metadata["expression"] not in seen][:num_heldout]
 
