@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.jobs.demo_plan import DemoPlan
 from megatron_sao.jobs.stages import (
-    DemoPlan,
     check_stage,
     export_actor,
     latest_checkpoint,

@@ -25,7 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_sao.jobs.preflight import RECIPE_COMMANDS, check_driver_command, check_launch, check_writable_dir
+from megatron_sao.jobs.launch_checks import RECIPE_COMMANDS, check_driver_command, check_launch
+from megatron_sao.jobs.preflight import check_writable_dir
 from megatron_sao.platform.slurm_job import REPO, JobOptions, wait_for_job, write_job_script
 from megatron_sao.utils.args import int_at_least, slurm_time
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
-from megatron_sao.jobs.stages import DemoPlan, two_operand_plan
+from megatron_sao.jobs.demo_plan import DemoPlan, two_operand_plan
 
 BASELINE_WINDOW = 128
 

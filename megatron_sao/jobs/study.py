@@ -120,7 +120,7 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
 def add_study_parser(subparsers: Any) -> None:
     import argparse
 
-    from megatron_sao.jobs.stages import DemoPlan
+    from megatron_sao.jobs.demo_plan import DemoPlan
 
     parser = subparsers.add_parser(
         "study", help="the paper's ablations at small scale: SAO variants, GRPO, GRPO + DIS, running mean",

@@ -22,7 +22,7 @@ def test_conversion_stage_runs_the_converter_once(tiny_hf_dir, tmp_path, capsys)
 
 
 def test_heldout_prompts_are_disjoint_from_training_prompts_and_demonstrations(tmp_path):
-    from megatron_sao.jobs.stages import DemoPlan, demonstration_samples, prompt_files
+    from megatron_sao.jobs.demo_plan import DemoPlan, demonstration_samples, prompt_files
     from megatron_sao.rollout.datasets import load_prompts
 
     plan = DemoPlan(num_train_prompts=400, num_heldout_prompts=300, num_demonstrations=400)
