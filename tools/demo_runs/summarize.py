@@ -1,0 +1,72 @@
+"""The table of `tools/demo_runs/run.sh`'s runs (docs/pipeline.md, "Runs over seeds").
+
+Per run: held-out SFT / SAO success, the gain, the evaluation's noise on that gain (1.96 x the sd of
+a difference of two binomial estimates on N prompts), the SAO stage's critic explained variance
+(step 1; mean of the last 20 steps' reported values, and how many were not reported), training
+success over the first / last 15 steps, success per tier, wall seconds.
+
+    python tools/demo_runs/summarize.py OUT_ROOT
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+LINE = re.compile(r"seed=(\d+) repeat=(\d+) rc=(\d+) wall=(\d+)s held-out success")
+
+
+def _reported(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def summarise_run(run_dir: Path, seed: int, repeat: int, wall: int) -> dict:
+    held = json.loads((run_dir / "heldout.json").read_text())
+    lines = (run_dir / "sao" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines if line.strip()]
+    last = [m.get("critic/explained_variance") for m in metrics[-20:]]
+    reported = [float(v) for v in last if _reported(v)]  # type: ignore[arg-type]
+    success = [m["train/success_rate"] for m in metrics if "train/success_rate" in m]
+    sft, sao, n = held["sft"], held["sao"], held["num_prompts"]
+    tiers = " ".join(f"{k.split('_')[0]} {held['by_tier']['sft'][k]:.2f}->{held['by_tier']['sao'][k]:.2f}"
+                     for k in held["by_tier"]["sft"] if k != "all")
+    return {"seed": seed, "repeat": repeat, "sft": sft, "sao": sao, "gain": sao - sft,
+            "noise": 1.96 * math.sqrt(sft * (1 - sft) / n + sao * (1 - sao) / n),
+            "ev1": metrics[0].get("critic/explained_variance", float("nan")),
+            "ev20": statistics.fmean(reported) if reported else float("nan"), "unreported": len(last) - len(reported),
+            "success": (statistics.fmean(success[:15]), statistics.fmean(success[-15:])), "tiers": tiers, "wall": wall}
+
+
+def main(root: Path) -> None:
+    runs = []
+    for line in (root / "results.txt").read_text().splitlines():
+        match = LINE.search(line)
+        if match is None:
+            print(f"not a finished run: {line}")
+            continue
+        seed, repeat, _, wall = (int(g) for g in match.groups()[:4])
+        runs.append(summarise_run(root / f"s{seed}_r{repeat}" / "tiny_cpu", seed, repeat, wall))
+    print("| seed | repeat | SFT | SAO | gain | noise (1.96 sd) | critic EV step 1 | critic EV last 20 (not reported) "
+          "| train success first/last 15 steps | per tier SFT->SAO | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(runs, key=lambda r: (r["seed"], r["repeat"])):
+        print(f"| {r['seed']} | {r['repeat']} | {r['sft']:.3f} | {r['sao']:.3f} | {r['gain']:+.3f} | {r['noise']:.3f} "
+              f"| {r['ev1']:.2f} | {r['ev20']:.2f} ({r['unreported']}) | {r['success'][0]:.2f} / {r['success'][1]:.2f} "
+              f"| {r['tiers']} | {r['wall']} |")
+    if runs:
+        gains = [r["gain"] for r in runs]
+        print(f"\nRuns {len(runs)}; SAO > SFT in {sum(g > 0 for g in gains)}; gain beyond the evaluation's noise in "
+              f"{sum(r['gain'] > r['noise'] for r in runs)} of {len(runs)}; gain mean {statistics.fmean(gains):+.3f}"
+              + (f", sd {statistics.stdev(gains):.3f}" if len(gains) > 1 else "") + f", min {min(gains):+.3f}; "
+              f"critic EV last 20 steps {min(r['ev20'] for r in runs):.2f}-{max(r['ev20'] for r in runs):.2f} "
+              f"(>= 0.5 in {sum(r['ev20'] >= 0.5 for r in runs)} of {len(runs)})")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tools/demo_runs/summarize.py OUT_ROOT")
+    main(Path(sys.argv[1]))
