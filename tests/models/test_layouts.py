@@ -17,8 +17,9 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def single(tiny_hf_dir):
-    return run_distributed(run_layout, 1, str(tiny_hf_dir), [])[0]
+def single(models_single_rank):
+    """Computed in one process with test_families.py's job (tests/models/conftest.py)."""
+    return models_single_rank["layout_single"]
 
 
 # EP2 and TP2 are slow here: tests/training/test_trainer_layouts.py checks a whole step in EP2 and
