@@ -29,15 +29,18 @@ def single_rank(tiny_hf_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def two_ranks(tiny_hf_dir) -> list[dict]:
-    """One pair of gloo processes (per rank: {job: result}) for the default-suite 2-rank jobs: the
-    EP2 step of test_trainer_layouts.py, the CP2 steps of test_context_parallel.py, the TP2 chunked
-    logits of test_logits.py, and last (it ends in TrainingAborted) the NaN-on-one-rank steps of
-    test_trainer_steps.py. Each builds its own model parallel state and trainer, as in processes of
-    its own."""
+    """One pair of gloo processes (per rank: {job: result}) for the default-suite 2-rank jobs: first
+    (in fresh processes, as when it ran alone) the emulated-device step of test_device_discipline.py
+    (scoped by its context manager), then the EP2 step of test_trainer_layouts.py, the CP2 steps of
+    test_context_parallel.py, the TP2 chunked logits of test_logits.py, and last (it ends in
+    TrainingAborted) the NaN-on-one-rank steps of test_trainer_steps.py. Each builds its own model
+    parallel state and trainer, as in processes of its own."""
+    from tests.training.device_worker import STEP_OVERRIDES, step_on_emulated_device
     from tests.training.logits_worker import chunked_vs_whole
 
     hf = str(tiny_hf_dir)
     jobs = {
+        "device_discipline": (step_on_emulated_device, (hf, STEP_OVERRIDES)),
         "ep2_step": (worker.one_step_in_layout, (hf, [*worker.LAYOUT_PACKING, "parallelism.expert=2"])),
         "cp2_step": (worker.rl_and_sft_step, (hf, [*worker.CP_PACKING, "parallelism.context=2"])),
         "logits_tp2": (chunked_vs_whole, (hf,)),
