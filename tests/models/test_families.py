@@ -11,8 +11,8 @@ from tests.models.families_worker import FAMILIES
 
 
 @pytest.mark.timeout(600)
-def test_every_family_builds_for_training_with_hf_logits(models_single_rank):
-    diffs = models_single_rank["families"]  # computed in one process with test_layouts' `single` (conftest.py)
+def test_every_family_builds_for_training_with_hf_logits(single_rank):
+    diffs = single_rank["families"]  # computed in the `single_rank` process (tests/conftest.py)
     for family in FAMILIES:
         assert diffs[family] <= 1e-5, (family, diffs[family])
 

@@ -37,7 +37,7 @@ SFT_KEYS = ("actor/loss", "actor/grad_norm", "actor/entropy")
 
 @pytest.fixture(scope="module")
 def reference(single_rank):
-    """The CP 1 steps, computed in the `single_rank` process (tests/training/conftest.py)."""
+    """The CP 1 steps, computed in the `single_rank` process (tests/conftest.py)."""
     return single_rank["cp_reference"]
 
 
@@ -56,7 +56,7 @@ def assert_same_step(got: dict, ref: dict, keys: tuple[str, ...], roles: tuple[s
                                     for name in LAYOUTS])
 def test_context_parallel_step_equals_cp1(layout, reference, request):
     ranks, overrides = LAYOUTS[layout]
-    if layout == "cp2":  # computed in the `two_ranks` process pair (tests/training/conftest.py)
+    if layout == "cp2":  # computed in the `two_ranks` process pair (tests/conftest.py)
         got = request.getfixturevalue("two_ranks")[0]["cp2_step"]
     else:
         hf_dir = str(request.getfixturevalue("tiny_hf_dir"))

@@ -12,7 +12,7 @@ from tests.training import device_worker
 
 
 def test_sao_step_keeps_every_tensor_on_the_compute_device(two_ranks):
-    ranks = [r["device_discipline"] for r in two_ranks]  # run first in the pair (tests/training/conftest.py)
+    ranks = [r["device_discipline"] for r in two_ranks]  # run first in the pair (tests/conftest.py)
     for r in ranks:
         assert r["params"] > 0 and r["params_not_on_device"] == []
         assert r["collectives"] > 0

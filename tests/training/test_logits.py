@@ -12,7 +12,7 @@ from tests.training.logits_worker import BATCH, SEQ, chunked_vs_whole
 
 
 # TP 2 with sequence parallelism (chunks hold rows of every TP slice) in the default suite, computed
-# in the `two_ranks` process pair (tests/training/conftest.py).
+# in the `two_ranks` process pair (tests/conftest.py).
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_chunked_logprobs_equal_whole_logits(ranks, request):
     if ranks == 2:

@@ -23,7 +23,7 @@ PACKING = LAYOUT_PACKING  # why these budgets and this LR: tests/training/traine
 
 @pytest.fixture(scope="module")
 def reference(single_rank):
-    """The single-process step, computed in the `single_rank` process (tests/training/conftest.py)."""
+    """The single-process step, computed in the `single_rank` process (tests/conftest.py)."""
     return single_rank["layout_reference"]
 
 
@@ -31,7 +31,7 @@ def reference(single_rank):
 @pytest.mark.parametrize("layout", [layout if layout == "ep2" else pytest.param(layout, marks=pytest.mark.slow)
                                     for layout in LAYOUTS])
 def test_step_matches_single_process(layout, reference, request):
-    if layout == "ep2":  # computed in the `two_ranks` process pair (tests/training/conftest.py)
+    if layout == "ep2":  # computed in the `two_ranks` process pair (tests/conftest.py)
         result = request.getfixturevalue("two_ranks")[0]["ep2_step"]
     else:
         hf_dir = str(request.getfixturevalue("tiny_hf_dir"))

@@ -1,6 +1,6 @@
 """What one train step does: K critic updates, critic warmup, frozen critic attention, skipped
 steps on NaN, every ablation, SFT (gloo, CPU, tiny Qwen3-MoE, fp32). The one-rank jobs run in the
-one process of the `single_rank` fixture (tests/training/conftest.py)."""
+one process of the `single_rank` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_explained_variance_is_nan_for_a_constant_return_batch(single_rank):
 # The critic variant (NaN values, hence NaN advantages: the whole step skipped) is slow.
 @pytest.mark.parametrize("role", ["actor", pytest.param("critic", marks=pytest.mark.slow)])
 def test_nan_on_one_rank_skips_the_step_everywhere(request, role):
-    if role == "actor":  # computed in the `two_ranks` process pair (tests/training/conftest.py)
+    if role == "actor":  # computed in the `two_ranks` process pair (tests/conftest.py)
         ranks = [r["nan_actor"] for r in request.getfixturevalue("two_ranks")]
     else:
         ranks = run_distributed(trainer_worker.inject_nan, 2, str(request.getfixturevalue("tiny_hf_dir")), role, 1)

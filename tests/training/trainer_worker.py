@@ -13,7 +13,7 @@ from tests.training.trajectories import random_trajectories
 TIMING_PREFIXES = ("time/", "perf/")
 
 # The single-process references of the layout tests (here so that the tests and the one process
-# that computes them, tests/training/conftest.py `single_rank`, name the same values).
+# that computes them, tests/conftest.py `single_rank`, name the same values).
 # test_trainer_layouts.py: token budgets small enough that the 8 trajectories span several
 # micro-batches per rank. The LR is 1e-4 (paper: 1e-6 / 5e-6): Adam's first step moves an element
 # by lr * g / (|g| + eps), whose sensitivity to g is ~lr / (4 eps) where |g| ~ eps, so the
