@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
-from megatron_sao.jobs.stages import DemoPlan
+from megatron_sao.jobs.stages import DemoPlan, two_operand_plan
 
 BASELINE_WINDOW = 128
 
@@ -47,7 +47,7 @@ def run_online(config: SaoConfig, plan: DemoPlan | None = None) -> int:
     phase_steps = shift.phase_length // config.data.batch_size
     calc_kwargs = {k: v for k, v in rollout.environment_kwargs.items() if k not in SHIFT_KEYS}
     plain = replace(config, rollout=replace(rollout, environment="calc", environment_kwargs=calc_kwargs))
-    plan = plan or DemoPlan(calc_tiers=None)  # the shifting reward is defined on the two-operand problems
+    plan = plan or two_operand_plan()  # the shifting reward is defined on the two-operand problems
     if plan.teacher is None:  # SFT on both styles, so the policy's own samples can follow either preference
         plan = replace(plan, teacher=mixed_oracle(shift.demonstration_echo_share))
     prepared = prepare_policy_and_critic(plain, plan)
@@ -93,7 +93,7 @@ def add_online_parser(subparsers: Any) -> None:
     def run(args: argparse.Namespace) -> int:
         from megatron_sao.config import load_config
 
-        plan = DemoPlan(calc_tiers=None)
+        plan = two_operand_plan()
         if args.sft_steps is not None:
             plan.sft_steps = args.sft_steps
         if args.value_steps is not None:

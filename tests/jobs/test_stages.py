@@ -19,3 +19,20 @@ def test_conversion_stage_runs_the_converter_once(tiny_hf_dir, tmp_path, capsys)
     assert convert_to_mcore(tiny_hf_dir, out) == out and capsys.readouterr().out == ""  # complete: skipped
     with pytest.raises(ValueError, match=f"--hf {out} is a Megatron checkpoint"):  # the converter's own check
         convert_to_mcore(out, tmp_path / "again")
+
+
+def test_heldout_prompts_are_disjoint_from_training_prompts_and_demonstrations(tmp_path):
+    from megatron_sao.jobs.stages import DemoPlan, demonstration_samples, prompt_files
+    from megatron_sao.rollout.datasets import load_prompts
+
+    plan = DemoPlan(num_train_prompts=400, num_heldout_prompts=300, num_demonstrations=400)
+    train_path, heldout = prompt_files(tmp_path, plan, seed=3)
+    expressions = {s.metadata["expression"] for s in heldout}
+    assert len(heldout) == 300 and len(expressions) > 250  # t0's small space repeats a few
+    assert not expressions & {s.metadata["expression"] for s in load_prompts(train_path).samples}
+    demonstrated = {s.metadata["expression"] for s in demonstration_samples(plan, seed=3)}
+    assert not expressions & demonstrated
+    # The demo's default: demonstrations on the three shorter tiers, prompts on all four.
+    tiers = {s.metadata["tier"] for s in heldout}
+    assert tiers == {t.name for t in plan.calc_tiers}
+    assert {s.metadata["tier"] for s in demonstration_samples(plan, seed=3)} == tiers - {plan.calc_tiers[-1].name}
