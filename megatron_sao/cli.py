@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     describe.add_argument("section", nargs="?", help="a section (e.g. critic) or key (e.g. algorithm.eps_low)")
     describe.set_defaults(func=_cmd_config_describe)
 
-    from megatron_sao.jobs.convert import add_convert_parser
+    from megatron_sao.jobs.convert_parser import add_convert_parser
     from megatron_sao.jobs.demo import add_demo_parser
     from megatron_sao.jobs.launch import add_launch_parser
     from megatron_sao.jobs.plan import add_plan_parser

@@ -198,3 +198,19 @@ def checksum_share(manifest: Manifest, rank: int, world_size: int,
         if owner == rank:
             mine.append(name)
     return mine
+
+
+def check_checkpoint_kinds(hf: str | None, mcore: str | None) -> None:
+    """`--hf` names a HuggingFace directory and `--mcore` a Megatron one (a conversion output, with
+    its manifest): ValueError naming the flag that points at the other kind, or both when swapped."""
+    hf_is_mcore = hf is not None and (Path(hf) / MANIFEST_FILE).is_file()
+    mcore_is_hf = (mcore is not None and (Path(mcore) / "config.json").is_file()
+                   and not (Path(mcore) / MANIFEST_FILE).is_file())
+    if hf_is_mcore and mcore_is_hf:
+        raise ValueError(f"--hf and --mcore are swapped: --hf {hf} is a Megatron checkpoint ({MANIFEST_FILE}) and "
+                         f"--mcore {mcore} a HuggingFace one (config.json); use --hf {mcore} --mcore {hf}")
+    if hf_is_mcore:
+        raise ValueError(f"--hf {hf} is a Megatron checkpoint (it holds {MANIFEST_FILE}), not a HuggingFace directory")
+    if mcore_is_hf:
+        raise ValueError(f"--mcore {mcore} is a HuggingFace checkpoint (config.json, no {MANIFEST_FILE}), not a "
+                         "`sao convert hf-to-mcore` output")

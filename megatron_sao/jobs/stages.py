@@ -1,13 +1,13 @@
 """The stages `sao demo`, `sao online` and `sao study` share: each stage's own run directory
 under `<run.output_dir>/<run.name>/`, the HF -> Megatron conversion, SFT on scripted
-demonstrations, the actor exported as an HF checkpoint, value pretraining, and the SAO stage's
+demonstrations, the actor exported as an HF checkpoint (both by the converters `sao convert`
+runs, in a spawned process), value pretraining, and the SAO stage's
 settings on top of the recipe (`prepare_policy_and_critic` runs stages 1-3; each skips what is
 complete). Public so that the jobs import it, not each other's private helpers.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,13 +53,14 @@ def two_operand_plan() -> DemoPlan:
     return DemoPlan(calc_tiers=None, demonstration_tiers=None, sft_steps=200, num_heldout_prompts=128)
 
 
-def stage_config(config: SaoConfig, stage: str, **overrides: Any) -> SaoConfig:
-    """`config` for one stage: its own run directory `<output_dir>/<name>/<stage>`."""
+def stage_config(config: SaoConfig, stage: str, *, under: Path | None = None, **overrides: Any) -> SaoConfig:
+    """`config` for one stage: its own run directory `<output_dir>/<name>/<stage>` (or `under/<stage>`),
+    beside the recipe it is loaded from (`<stage>.recipe.yaml`)."""
     import yaml
 
     from megatron_sao.config.loader import config_to_dict, load_config
 
-    base = Path(config.run.output_dir) / config.run.name
+    base = Path(under) if under is not None else Path(config.run.output_dir) / config.run.name
     base.mkdir(parents=True, exist_ok=True)
     recipe = base / f"{stage}.recipe.yaml"
     recipe.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
@@ -73,7 +74,7 @@ def convert_to_mcore(hf_dir: Path, out: Path) -> Path:
     its torch.distributed world stays out of the driver's. Its result line is said as
     `sao convert hf-to-mcore` prints it; a bad input is its own user error."""
     from megatron_sao.checkpointing.hf_to_mcore import HfToMcoreRequest, convert_hf_to_mcore
-    from megatron_sao.jobs.convert import check_checkpoint_kinds
+    from megatron_sao.checkpointing.manifest import check_checkpoint_kinds
     from megatron_sao.platform import run_distributed
 
     if (out / "sao_manifest.json").is_file():
@@ -86,27 +87,13 @@ def convert_to_mcore(hf_dir: Path, out: Path) -> Path:
 
 
 def prompt_files(base: Path, plan: DemoPlan, seed: int) -> tuple[Path, list[Any]]:
-    """Training prompts (JSONL) and held-out prompts no training prompt repeats."""
-    from megatron_sao.rollout.envs.calc import generate_calc_samples, write_calc_dataset
+    """Training prompts (JSONL) and held-out prompts that repeat no training prompt and no SFT
+    demonstration (`calc.write_calc_split`)."""
+    from megatron_sao.rollout.envs.calc import write_calc_split
 
-    tiers = plan.calc_tiers
-    train = write_calc_dataset(base / "train_prompts.jsonl", plan.num_train_prompts, seed, tiers=tiers)
-    seen = {s.metadata["expression"] for s in generate_calc_samples(plan.num_train_prompts, seed, tiers=tiers)}
-    seen |= {s.metadata["expression"] for s in demonstration_samples(plan, seed)}
-    candidates = generate_calc_samples(plan.num_heldout_prompts * 4, seed + 1_000_003, tiers=tiers)
-    heldout = [s for s in candidates if s.metadata["expression"] not in seen][: plan.num_heldout_prompts]
-    return train, heldout
-
-
-def write_prompts(path: Path, samples: list[Any]) -> Path:
-    """`samples` as a prompt dataset (JSONL, `datasets.load_prompts` reads it): the held-out
-    prompts that evaluation during training rolls out."""
-    with path.open("w", encoding="utf-8") as f:
-        for sample in samples:
-            row = {"id": sample.prompt_id, "prompt": sample.messages[-1]["content"], "answer": sample.answer,
-                   "metadata": sample.metadata}
-            f.write(json.dumps(row, sort_keys=True) + "\n")
-    return path
+    demonstrated = {s.metadata["expression"] for s in demonstration_samples(plan, seed)}
+    return write_calc_split(base / "train_prompts.jsonl", plan.num_train_prompts, plan.num_heldout_prompts, seed,
+                            tiers=plan.calc_tiers, exclude=demonstrated)
 
 
 def demonstration_samples(plan: DemoPlan, seed: int) -> list[Any]:
@@ -142,36 +129,14 @@ def latest_checkpoint(run_dir: Path) -> Path:
 
 
 def export_actor(config: SaoConfig, out: Path) -> Path:
-    """The actor of `config` (`actor.load`) as an HF checkpoint engines can serve."""
-    from megatron_sao.platform import run_distributed
+    """The actor of `config` (`actor.load`) as an HF checkpoint engines can serve (kept when already
+    there), written by the converter `sao convert mcore-to-hf` runs
+    (`training.checkpoint.export.export_role_hf`) with the config and tokenizer of `model.hf_path`."""
+    from megatron_sao.training.checkpoint.export import export_role_hf
 
-    if (out / "config.json").is_file():
-        return out
-    run_distributed(export_actor_rank, 1, config, str(out), timeout_s=float("inf"))
+    if not (out / "config.json").is_file():
+        export_role_hf(Path(config.actor.load), "actor", Path(config.model.hf_path), out)
     return out
-
-
-def export_actor_rank(config: SaoConfig, out: str) -> None:
-    import shutil
-
-    import safetensors.torch
-
-    from megatron_sao.models import build_model
-    from megatron_sao.models.hf_export import export_hf_state
-    from megatron_sao.platform import init_model_parallel
-    from megatron_sao.training.checkpoint import load_model_weights
-    from megatron_sao.utils.atomic import replace_dir
-
-    one = replace(config, parallelism=replace(config.parallelism, tensor=1, pipeline=1, expert=1, world_size=1))
-    init_model_parallel(one.parallelism, seed=one.run.seed)
-    built = build_model(one, "actor")
-    load_model_weights(Path(config.actor.load), "actor", built.chunks)
-    state = export_hf_state(built.chunks, config.model.hf_path, role="actor")
-    staging = Path(out + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(config.model.hf_path, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, str(staging / "model.safetensors"))
-    replace_dir(staging, Path(out))
 
 
 @dataclass(frozen=True, slots=True)

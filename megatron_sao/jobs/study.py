@@ -62,10 +62,10 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
         rl_stage_overrides,
         say,
         stage_config,
-        write_prompts,
     )
     from megatron_sao.jobs.train import run_train
-    from megatron_sao.reporting.study import summarise_run, write_study
+    from megatron_sao.reporting.study import setup_text, summarise_run, write_study
+    from megatron_sao.rollout.datasets import write_prompts
 
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -95,7 +95,7 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
                 overrides = {**rl_stage_overrides(prepared, plan), **variant_overrides(config, variant),
                              "run.seed": seed, "eval.every_n_steps": eval_every, "eval.num_prompts": eval_prompts,
                              "eval.prompts_path": heldout_path}
-                rl = _study_config(config, out, name, overrides)
+                rl = stage_config(config, name, under=out, **overrides)
                 start = time.perf_counter()
                 check_stage(run_train(rl))
                 wall = time.perf_counter() - start
@@ -110,36 +110,11 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
             say(f"[study] {name}: held-out {summary.heldout:.3f} (SFT {sft_heldout:.3f}), critic EV (last 20) "
                  f"{'n/a' if summary.ev_last20 is None else f'{summary.ev_last20:.2f}'}")
     load_after = os.getloadavg()
-    setup = _setup_text(base_rl, seeds, prepared, eval_every, eval_prompts, load_before, load_after)
+    setup = setup_text(base_rl, seeds, len(prepared.heldout), eval_every, eval_prompts, load_before, load_after)
     labels = {v: VARIANTS[v][0] for v in variants}
     page = write_study(out, summaries, labels, sft_heldout, len(prepared.heldout), command, setup)
     say(f"study: {page}")
     return page
-
-
-def _study_config(config: SaoConfig, out: Path, name: str, overrides: dict[str, Any]) -> SaoConfig:
-    """`config` with the overrides, run directory `out/name` (the demo's stage recipe, elsewhere)."""
-    import yaml
-
-    from megatron_sao.config.loader import config_to_dict, load_config
-
-    recipe = out / f"{name}.recipe.yaml"
-    recipe.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    pairs = [f"run.output_dir={out}", f"run.name={name}", *(f"{k}={v}" for k, v in overrides.items())]
-    return load_config(recipe, pairs)
-
-
-def _setup_text(rl: SaoConfig, seeds: list[int], prepared: Any, eval_every: int, eval_prompts: int,
-                load_before: tuple[float, ...], load_after: tuple[float, ...]) -> str:
-    trajectories = rl.run.total_steps * rl.data.batch_size
-    return (f"Every run: {rl.run.total_steps} steps of {rl.data.batch_size} trajectories ({trajectories} sampled "
-            f"trajectories; GRPO variants: {rl.data.batch_size // 8} prompts x 8), actor lr {rl.actor.optim.lr:g}, "
-            f"critic lr {rl.critic.optim.lr:g}, the `{rl.rollout.environment}` task with its difficulty tiers, "
-            f"seeds {seeds} (the RL stage's seed: rollouts, data order, initial value head where fresh; the SFT and "
-            f"value-pretrained start is the same for all). Held-out prompts: {len(prepared.heldout)} (none in the "
-            f"training prompts), the first {eval_prompts} evaluated during training every {eval_every} steps, all of "
-            f"them for the final policy. Machine: {os.cpu_count()} cores shared with other jobs (load average "
-            f"{load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end), so wall times carry that load.")
 
 
 def add_study_parser(subparsers: Any) -> None:

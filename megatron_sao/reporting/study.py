@@ -273,3 +273,20 @@ def write_study(out_dir: Path, runs: dict[str, list[RunSummary]], labels: dict[s
     page = out_dir / "study.md"
     page.write_text(text)
     return page
+
+
+def setup_text(rl: Any, seeds: Sequence[int], heldout: int, eval_every: int, eval_prompts: int,
+               load_before: Sequence[float], load_after: Sequence[float]) -> str:
+    """The page's setup paragraph: what every run of the study shares (`rl`, the SAO stage's
+    resolved config), the held-out prompts, and the machine's load over the study."""
+    import os
+
+    trajectories = rl.run.total_steps * rl.data.batch_size
+    return (f"Every run: {rl.run.total_steps} steps of {rl.data.batch_size} trajectories ({trajectories} sampled "
+            f"trajectories; GRPO variants: {rl.data.batch_size // 8} prompts x 8), actor lr {rl.actor.optim.lr:g}, "
+            f"critic lr {rl.critic.optim.lr:g}, the `{rl.rollout.environment}` task with its difficulty tiers, "
+            f"seeds {list(seeds)} (the RL stage's seed: rollouts, data order, initial value head where fresh; the SFT "
+            f"and value-pretrained start is the same for all). Held-out prompts: {heldout} (none in the "
+            f"training prompts), the first {eval_prompts} evaluated during training every {eval_every} steps, all of "
+            f"them for the final policy. Machine: {os.cpu_count()} cores shared with other jobs (load average "
+            f"{load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end), so wall times carry that load.")

@@ -130,6 +130,17 @@ def load_prompts(paths: str | Path | Sequence[str | Path], config: DatasetConfig
     return PromptDataset(samples=samples, report=report)
 
 
+def write_prompts(path: str | Path, samples: Iterable[PromptSample]) -> Path:
+    """`samples` as JSONL in the schema `load_prompts` reads (id, prompt, answer, metadata)."""
+    path = Path(path)
+    with path.open("w", encoding="utf-8") as f:
+        for sample in samples:
+            row = {"id": sample.prompt_id, "prompt": sample.messages[-1]["content"], "answer": sample.answer,
+                   "metadata": sample.metadata}
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    return path
+
+
 def iter_prompts(files: Iterable[str | Path], config: DatasetConfig, report: LoadReport) -> Iterator[PromptSample]:
     """Stream samples from the files in order, recording skips in `report` as it goes."""
     seen_ids: set[str] = set()

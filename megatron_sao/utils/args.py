@@ -77,3 +77,12 @@ def slurm_time(text: str) -> str:
         return check_slurm_time(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def byte_size(text: str) -> int:
+    """An argparse `type=`: a size as HuggingFace writes them (`5GB`, `500MB`, `1024`), in bytes
+    (powers of 1000)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB)")
+    return int(float(match[1]) * 1000 ** " KMGT".index(match[2] or " "))

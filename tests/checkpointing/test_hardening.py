@@ -163,10 +163,10 @@ def test_finding_5_convert_prints_only_its_result_and_verify_failure_exits_1(pri
 def test_sao_convert_is_registered_on_the_sao_command():
     """`sao convert` cannot silently vanish (an ImportError in the conversion CLI must fail here)."""
     from megatron_sao.cli import build_parser
-    from megatron_sao.jobs.convert import _run_verify
+    from megatron_sao.jobs.convert import run_verify
 
     args = build_parser().parse_args(["convert", "verify", "--hf", "a", "--mcore", "b"])
-    assert args.func is _run_verify and args.quiet_log and args.verify_checksums
+    assert args.func is run_verify and args.quiet_log and args.verify_checksums
 
 
 # ---- guards that no test triggered ----------------------------------------------------------------

@@ -17,9 +17,10 @@ from megatron_sao.checkpointing.families import family_of
 from megatron_sao.checkpointing.hf_load import LoadSpec, _check_tasks
 from megatron_sao.checkpointing.progress import Progress
 from megatron_sao.checkpointing.safetensors_stream import StreamingSafetensorsWriter, TensorSpec, plan_shards
-from megatron_sao.jobs.convert import _size, add_convert_parser
+from megatron_sao.jobs.convert_parser import add_convert_parser
 from megatron_sao.models import critic_format as cf
 from megatron_sao.models.hf_files import HFCheckpoint, TensorInfo
+from megatron_sao.utils.args import byte_size
 
 
 def _checkpoint(**tensors: str) -> HFCheckpoint:
@@ -174,9 +175,9 @@ def test_the_fastio_switch_is_off_by_default_and_reaches_both_conversions(tmp_pa
 
 
 def test_sizes_parse_like_huggingface():
-    assert _size("5GB") == 5 * 10**9 and _size("500MB") == 5 * 10**8 and _size("1024") == 1024
+    assert byte_size("5GB") == 5 * 10**9 and byte_size("500MB") == 5 * 10**8 and byte_size("1024") == 1024
     with pytest.raises(argparse.ArgumentTypeError):
-        _size("five")
+        byte_size("five")
 
 
 def test_critic_config_round_trips_to_the_causal_config():

@@ -28,6 +28,8 @@ def test_demo_runs_every_stage_and_reports_heldout_success(tmp_path):
     base = tmp_path / "tiny_cpu"
     for stage in ("mcore", "sft", "sft_hf", "value", "value_corpus", "sao", "sao_hf"):
         assert (base / stage).is_dir(), stage
+    for export in ("sft_hf", "sao_hf"):  # written by `sao convert mcore-to-hf`'s converter (its marker)
+        assert (base / export / "sao_export.json").is_file(), export
 
 
 @pytest.mark.timeout(600)

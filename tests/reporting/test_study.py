@@ -17,6 +17,7 @@ from megatron_sao.reporting.study import (
     judge,
     largest_drawdown,
     moving_mean,
+    setup_text,
     steps_to_fraction,
     summarise_run,
     variant_table,
@@ -87,6 +88,18 @@ def test_a_run_is_summarised_from_its_metrics_and_the_page_written(tmp_path):
     assert (tmp_path / "study.png").stat().st_size > 10_000
     assert "| SAO beats GRPO + DIS" in text and "not testable at this size" in text
     assert json.loads((tmp_path / "study.json").read_text())["runs"]["sao"][0]["heldout"] == 0.55
+
+
+def test_setup_text_states_what_every_run_shares():
+    """The page's setup paragraph from the SAO stage's resolved config (`jobs/study.py` passes it)."""
+    from megatron_sao.config import load_config
+
+    rl = load_config(REPO / "recipes" / "tiny_cpu.yaml", ["run.total_steps=30", "data.batch_size=16"])
+    text = setup_text(rl, [1, 2], 128, 15, 64, (1.5, 1.0, 1.0), (2.25, 1.0, 1.0))
+    assert text.startswith("Every run: 30 steps of 16 trajectories (480 sampled trajectories; GRPO variants: 2 "
+                           "prompts x 8)")
+    assert "seeds [1, 2]" in text and "Held-out prompts: 128" in text and "the first 64 evaluated" in text
+    assert "every 15 steps" in text and "load average 1.5 at the start, 2.2 at the end" in text
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from megatron_sao.rollout.datasets import load_prompts
 from megatron_sao.rollout.environment import TRUNCATION_REASON_KEY, PromptSample, StepResult
 from megatron_sao.rollout.envs import make_env_factory
 from megatron_sao.rollout.envs.calc import (
+    CALC_TIERS,
     CALL_CLOSE,
     CALL_OPEN,
     CalcConfig,
@@ -22,6 +23,7 @@ from megatron_sao.rollout.envs.calc import (
     generate_calc_samples,
     oracle_action,
     write_calc_dataset,
+    write_calc_split,
 )
 
 
@@ -131,6 +133,20 @@ def test_dataset_generation_is_deterministic(tmp_path: Path) -> None:
         assert evaluate_expression(s.metadata["expression"]) == int(s.answer)
     with pytest.raises(ValueError, match="operators"):
         generate_calc_samples(3, seed=0, operators="/")
+
+
+def test_heldout_problems_repeat_no_training_problem(tmp_path: Path) -> None:
+    """The demo's split (`write_calc_split`): the held-out problems, written back as a prompt file
+    (`datasets.write_prompts`), load as the same samples, and none is a training problem."""
+    from megatron_sao.rollout.datasets import write_prompts
+
+    train, heldout = write_calc_split(tmp_path / "train.jsonl", 400, 64, seed=3, tiers=CALC_TIERS)
+    training = {s.metadata["expression"] for s in load_prompts(train)}
+    assert len(training) > 300 and len(heldout) == 64
+    assert not training & {s.metadata["expression"] for s in heldout}
+    again = load_prompts(write_prompts(tmp_path / "heldout.jsonl", heldout))
+    assert [(s.prompt_id, s.messages, s.answer, s.metadata) for s in again] == \
+        [(s.prompt_id, s.messages, s.answer, s.metadata) for s in heldout]
 
 
 @pytest.mark.parametrize(("text", "value"), [

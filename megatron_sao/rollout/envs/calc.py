@@ -35,10 +35,10 @@ of calls).
 from __future__ import annotations
 
 import ast
-import json
 import random
 import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,13 +227,21 @@ def generate_calc_samples(num_samples: int, seed: int, *, max_digits: int = 2, o
 
 def write_calc_dataset(path: str | Path, num_samples: int, seed: int, **kwargs: Any) -> Path:
     """Write the problems as JSONL in the prompt-dataset schema (`datasets.load_prompts` reads it)."""
-    path = Path(path)
-    with path.open("w", encoding="utf-8") as f:
-        for sample in generate_calc_samples(num_samples, seed, **kwargs):
-            row = {"id": sample.prompt_id, "prompt": sample.messages[-1]["content"], "answer": sample.answer,
-                   "metadata": sample.metadata}
-            f.write(json.dumps(row, sort_keys=True) + "\n")
-    return path
+    from megatron_sao.rollout.datasets import write_prompts
+
+    return write_prompts(path, generate_calc_samples(num_samples, seed, **kwargs))
+
+
+def write_calc_split(path: str | Path, num_train: int, num_heldout: int, seed: int,
+                     tiers: tuple[CalcTier, ...] | None = None,
+                     exclude: Collection[str] = ()) -> tuple[Path, list[PromptSample]]:
+    """Training problems written to `path` (`write_calc_dataset`), and `num_heldout` held-out problems
+    (drawn from another seed) whose expressions no training problem repeats, nor `exclude` (e.g. the
+    expressions of SFT demonstrations)."""
+    train = write_calc_dataset(path, num_train, seed, tiers=tiers)
+    seen = {s.metadata["expression"] for s in generate_calc_samples(num_train, seed, tiers=tiers)} | set(exclude)
+    candidates = generate_calc_samples(num_heldout * 4, seed + 1_000_003, tiers=tiers)
+    return train, [s for s in candidates if s.metadata["expression"] not in seen][:num_heldout]
 
 
 def oracle_action(sample: PromptSample, observations: list[str]) -> str:
