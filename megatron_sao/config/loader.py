@@ -20,7 +20,10 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from megatron_sao.config.errors import ConfigError
+from megatron_sao.config.placement import check_engine_layout
+from megatron_sao.config.ranges import validate_names, validate_numbers
 from megatron_sao.config.schema import SaoConfig
+from megatron_sao.config.validate import validate_config
 
 COMMAND_LINE = "command line"
 # Input paths written in a recipe are relative to that recipe file (so recipes work from any
@@ -225,9 +228,6 @@ def _parse_override(text: str) -> tuple[str, Any, str, str]:
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SaoConfig:
     """Load `recipe` (YAML), apply `overrides` (`section.key=value`), type-check and validate."""
-    from megatron_sao.config.ranges import validate_names, validate_numbers
-    from megatron_sao.config.validate import validate_config
-
     sources: dict[str, str] = {}
     data = _read_recipe(Path(recipe), sources) if recipe is not None else {}
     raw: dict[str, str] = {}
@@ -259,6 +259,10 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
     if raw and recipe is not None:  # cross-field checks cannot tell which side a value came from: say both
         where += f" with command-line overrides of {', '.join(sorted(raw))}"
     validate_config(config, source=where)
+    try:  # SGLang engine layouts that cannot work (weight-sync mode x placement, engines across nodes)
+        check_engine_layout(config)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {where})") from None
     return config
 
 

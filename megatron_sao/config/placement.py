@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_sao.config import ConfigError
+from megatron_sao.config.errors import ConfigError
 from megatron_sao.config.schema import SaoConfig
 from megatron_sao.config.validate import trainer_world_size
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_sao.config.errors import ConfigError
+from megatron_sao.config.rollout_names import check_rollout_name
 from megatron_sao.config.schema import SaoConfig
 
 # Must equal ("all",) + megatron_sao.models.param_groups.GROUPS (a test checks it; config imports nothing).
@@ -99,39 +100,17 @@ def validate_config(config: SaoConfig, source: str = "config") -> None:
                           f"rollout.top_k={r.top_k} change the sampling distribution but not the log-probs the "
                           f"engine reports; set rollout.top_p=1.0 rollout.top_k=-1 (in {source})")
     _check_rollout_names(config, source)
-    _check_engine_layout(config, source)
     if r.source == "recorded":
         _check(bool(config.data.trajectories_path), "rollout.source=recorded needs data.trajectories_path", source)
     if config.model.build_tiny:
         _check(bool(config.model.hf_path), "model.build_tiny needs model.hf_path (where to build it)", source)
 
 
-def _check_engine_layout(config: SaoConfig, source: str) -> None:
-    """SGLang engine layouts that cannot work (weight-sync mode x placement, engines on other
-    nodes without Ray, DP attention): `config.placement.check_engine_layout`, imported here
-    because that module imports this one (`trainer_world_size`)."""
-    from megatron_sao.config.placement import check_engine_layout
-
-    try:
-        check_engine_layout(config)
-    except ConfigError as e:
-        raise ConfigError(f"{e} (in {source})") from None
-
-
 def _check_rollout_names(config: SaoConfig, source: str) -> None:
-    """Environment and reward names must be registered (or import paths `module:attribute`).
-
-    The registries are read lazily from the rollout package: they are plain name tables (importing
-    them loads no environment), and a name checked here cannot fail an hour into a run."""
-    from megatron_sao.rollout.envs.registry import registered_environments
-    from megatron_sao.rollout.rewards.registry import registered_rewards
-
-    r = config.rollout
-    for key, name, valid in (("rollout.environment", r.environment, registered_environments()),
-                             ("rollout.reward", r.reward, registered_rewards())):
-        if name not in valid and ":" not in name:
-            raise ConfigError(f"{key}: unknown name {name!r}; registered: {', '.join(valid)}, or an import path "
-                              f"'module:attribute' (in {source})")
+    """Environment and reward names must be registered (or import paths `module:attribute`): the
+    names are declared in `config/rollout_names.py`, which the rollout registries keep equal."""
+    check_rollout_name("rollout.environment", config.rollout.environment, source)
+    check_rollout_name("rollout.reward", config.rollout.reward, source)
 
 
 def validate_against_model(config: SaoConfig, arch: dict[str, Any], source: str = "config") -> None:

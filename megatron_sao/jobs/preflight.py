@@ -91,12 +91,29 @@ def check_outputs(config: SaoConfig) -> None:
         check_writable_dir(Path(config.checkpoint.dir), "checkpoint.dir")
 
 
+def check_trajectory_source(config: SaoConfig, mode: str) -> None:
+    """The files the run's trajectory source reads exist (a clear error before anything starts)."""
+    if mode == "rl" and config.rollout.source == "engine":
+        if not Path(config.data.train_path).is_file():
+            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
+                             "rolls out the prompts of data.train_path)")
+        if config.eval.every_n_steps and not Path(config.eval.prompts_path).is_file():
+            raise ValueError(f"eval.prompts_path={config.eval.prompts_path!r}: no such prompt file (eval.every_n_steps="
+                             f"{config.eval.every_n_steps} rolls out held-out prompts from it)")
+    elif not config.data.trajectories_path:
+        raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
+    elif not Path(config.data.trajectories_path).is_file():
+        raise ValueError(f"data.trajectories_path={config.data.trajectories_path!r}: no such file")
+    else:
+        from megatron_sao.rollout.recorded import check_trajectory_file
+
+        check_trajectory_file(config.data.trajectories_path)  # empty, no rows, wrong schema: here, not on ranks
+
+
 def check_train_job(config: SaoConfig, mode: Literal["rl", "sft"]) -> None:
     """`sao train` / `sao sft`: the trajectory source (a recorded file's format, rows and columns; the
     prompt file of engines), the model checkpoint and the weights to start from, the output
     directories."""
-    from megatron_sao.jobs.train import check_trajectory_source
-
     check_trajectory_source(config, mode)
     check_model_files(config)
     check_weights_to_load(config, mode)

@@ -32,25 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def check_trajectory_source(config: SaoConfig, mode: str) -> None:
-    """The files the run's trajectory source reads exist (a clear error before anything starts)."""
-    if mode == "rl" and config.rollout.source == "engine":
-        if not Path(config.data.train_path).is_file():
-            raise ValueError(f"data.train_path={config.data.train_path!r}: no such prompt file (rollout.source=engine "
-                             "rolls out the prompts of data.train_path)")
-        if config.eval.every_n_steps and not Path(config.eval.prompts_path).is_file():
-            raise ValueError(f"eval.prompts_path={config.eval.prompts_path!r}: no such prompt file (eval.every_n_steps="
-                             f"{config.eval.every_n_steps} rolls out held-out prompts from it)")
-    elif not config.data.trajectories_path:
-        raise ValueError("data.trajectories_path is empty: set it to a Parquet or JSONL file of trajectories")
-    elif not Path(config.data.trajectories_path).is_file():
-        raise ValueError(f"data.trajectories_path={config.data.trajectories_path!r}: no such file")
-    else:
-        from megatron_sao.rollout.recorded import check_trajectory_file
-
-        check_trajectory_file(config.data.trajectories_path)  # empty, no rows, wrong schema: here, not on ranks
-
-
 def train_rank(config: SaoConfig, run_dir: str, mode: Literal["rl", "sft"], resume_from: str | None) -> dict[str, Any]:
     """What every trainer rank runs: the trainer on the run's source (`training.loop.fit`); returns
     the last step's metrics and how the run ended."""

@@ -14,6 +14,7 @@ import torch
 from megatron_sao.checkpointing.fill_schedule import FillSchedule
 from megatron_sao.checkpointing.fill_tracker import FillTracker
 from megatron_sao.platform import run_distributed
+from tests.one_process import jobs_in_one_process
 
 
 def _waiter(tracker: FillTracker, tensor: torch.Tensor, done: list[str]) -> threading.Thread:
@@ -120,16 +121,28 @@ def _overlapped_save(directory: str, fail_after: int | None, fastio: bool = Fals
             "zeros_left": [int((t == 0).sum()) for t in tensors], "released_bytes": strategy.released_bytes}
 
 
-def test_the_save_writes_filled_tensors_while_fill_runs_and_the_result_is_exact(tmp_path: Path):
-    result = run_distributed(_overlapped_save, 1, str(tmp_path / "ckpt"), None, timeout_s=300)[0]
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The three saves in one spawned process (tests/one_process.py): the standard path, then the
+    failing fill (no writer thread of either save may be left), then fast I/O (last: it imports
+    `checkpointing.fastio`)."""
+    root = tmp_path_factory.mktemp("fill_overlap")
+    jobs = {"standard": (_overlapped_save, (str(root / "standard"), None)),
+            "failing": (_overlapped_save, (str(root / "failing"), 2)),
+            "fastio": (_overlapped_save, (str(root / "fastio"), None, True))}
+    return run_distributed(jobs_in_one_process, 1, jobs, timeout_s=600)[0]
+
+
+def test_the_save_writes_filled_tensors_while_fill_runs_and_the_result_is_exact(saves):
+    result = saves["standard"]
     assert result["exact"]
     assert result["written_before_fill_ended"] >= 2 * result["tensor_bytes"]
     # the standard path gives nothing back (tensor 0 holds one zero of its own: arange)
     assert result["released_bytes"] == 0 and result["zeros_left"] == [1, 0, 0, 0]
 
 
-def test_fastio_gives_each_tensor_back_once_saved_and_the_checkpoint_stays_exact(tmp_path: Path):
-    result = run_distributed(_overlapped_save, 1, str(tmp_path / "ckpt"), None, True, timeout_s=300)[0]
+def test_fastio_gives_each_tensor_back_once_saved_and_the_checkpoint_stays_exact(saves):
+    result = saves["fastio"]
     assert result["exact"], "the files hold what was filled, though the tensors were released after writing"
     elements = result["tensor_bytes"] // 4
     page_elements = 4096 // 4
@@ -138,8 +151,8 @@ def test_fastio_gives_each_tensor_back_once_saved_and_the_checkpoint_stays_exact
     assert result["released_bytes"] >= 4 * (result["tensor_bytes"] - 2 * 4096)
 
 
-def test_a_failing_fill_fails_the_save_and_stops_its_writers(tmp_path: Path):
-    result = run_distributed(_overlapped_save, 1, str(tmp_path / "ckpt"), 2, timeout_s=300)[0]
+def test_a_failing_fill_fails_the_save_and_stops_its_writers(saves):
+    result = saves["failing"]
     assert result["error"] == "tensor 2 cannot be converted"
     assert result["threads"] == []
 

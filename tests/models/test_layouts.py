@@ -17,8 +17,9 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def single(tiny_hf_dir):
-    return run_distributed(run_layout, 1, str(tiny_hf_dir), [])[0]
+def single(single_rank):
+    """Computed in the `single_rank` process (tests/conftest.py)."""
+    return single_rank["model_layout_single"]
 
 
 # EP2 and TP2 are slow here: tests/training/test_trainer_layouts.py checks a whole step in EP2 and
@@ -26,8 +27,11 @@ def single(tiny_hf_dir):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.slow) if layout in ("ep2", "tp2_sp")
                                     else layout for layout in sorted(LAYOUTS)])
-def test_layout_matches_single_process(tiny_hf_dir, single, layout):
-    ranks = run_distributed(run_layout, 2, str(tiny_hf_dir), LAYOUTS[layout])
+def test_layout_matches_single_process(request, single, layout):
+    if layout == "pp2":  # computed in the `two_ranks` pair (tests/conftest.py)
+        ranks = [r["model_layout_pp2"] for r in request.getfixturevalue("two_ranks")]
+    else:
+        ranks = run_distributed(run_layout, 2, str(request.getfixturevalue("tiny_hf_dir")), LAYOUTS[layout])
     for rank, res in enumerate(ranks):
         torch.testing.assert_close(res["logits"], single["logits"], rtol=0, atol=1e-5,
                                    msg=lambda m, r=rank: f"{layout} rank {r} actor logits: {m}")

@@ -34,6 +34,38 @@ def test_environment_and_reward_names_are_checked_at_load():
     assert load_config(TINY, ["rollout.environment=mypkg.envs:make_env"]).rollout.environment == "mypkg.envs:make_env"
 
 
+def test_config_refuses_unknown_names_without_the_rollout_package():
+    """config imports nothing above it: the refusal runs when only the config package is loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from megatron_sao.config import ConfigError, load_config\n"
+            "try:\n    load_config(sys.argv[1], ['rollout.environment=synthetic_tool'])\n"
+            "except ConfigError as e:\n    print(e)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('megatron_sao.rollout')))")
+    out = subprocess.run([sys.executable, "-c", code, str(TINY)], capture_output=True, text=True, check=True).stdout
+    assert "rollout.environment: unknown name 'synthetic_tool'" in out and out.endswith("[]\n"), out
+
+
+def test_registries_keep_the_names_config_accepts(monkeypatch):
+    """The shipped names config declares are the registered ones, and a name registered at run time
+    (`register_environment`, `register_reward`) passes config load."""
+    from megatron_sao.config import rollout_names
+    from megatron_sao.rollout.envs import registry as envs
+    from megatron_sao.rollout.rewards import registry as rewards
+    from megatron_sao.rollout.rewards.answers import exact_match
+
+    assert envs.registered_environments() == rollout_names.accepted_rollout_names("rollout.environment")
+    assert rewards.registered_rewards() == rollout_names.accepted_rollout_names("rollout.reward")
+    monkeypatch.setattr(envs, "_REGISTRY", dict(envs._REGISTRY))
+    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))
+    monkeypatch.setattr(rollout_names, "_ACCEPTED", {k: set(v) for k, v in rollout_names._ACCEPTED.items()})
+    envs.register_environment("my_task", "megatron_sao.rollout.envs.calc:make_calc")
+    rewards.register_reward("my_reward", lambda: exact_match)
+    cfg = load_config(TINY, ["rollout.environment=my_task", "rollout.reward=my_reward"])
+    assert (cfg.rollout.environment, cfg.rollout.reward) == ("my_task", "my_reward")
+
+
 def test_environment_options_are_derived_once():
     from megatron_sao.rollout.settings import env_factory_from, environment_kwargs_from
 

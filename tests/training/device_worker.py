@@ -8,6 +8,12 @@ from typing import Any
 from tests.training.trainer_worker import build_trainer
 from tests.training.trajectories import random_trajectories
 
+# Several micro-batches per rank, truncated rows bootstrapped and a clipped value loss: every
+# branch of the step that builds tensors of its own.
+STEP_OVERRIDES = ["parallelism.expert=2", "critic.updates_per_actor_step=2", "actor.max_tokens_per_micro_batch=96",
+                  "critic.max_tokens_per_micro_batch=128", "algorithm.bootstrap_truncated=true",
+                  "critic.value_clip=0.2"]
+
 
 def step_on_emulated_device(hf_dir: str, overrides: list[str]) -> dict[str, Any]:
     """Build the actor and critic on the emulated compute device and take one step (K critic

@@ -15,16 +15,9 @@ import math
 import pytest
 
 from megatron_sao.platform import run_distributed
-from tests.training.trainer_worker import TIMING_PREFIXES, rl_and_sft_step, steps_across_checkpoint
+from tests.training.trainer_worker import CP_PACKING, TIMING_PREFIXES, rl_and_sft_step, steps_across_checkpoint
 
-# Token budgets small enough that the batch spans several micro-batches of several rows (the long
-# trajectory gets one of its own). lr 5e-5: Adam's first step moves an element by
-# lr * g / (|g| + eps), ~lr / (4 eps) times as sensitive to g where |g| ~ eps (experts that get few
-# tokens), so round-off that differs between layouts (~1e-10 there) moves such parameters by
-# ~lr * 1e4 (measured at lr 1e-4 on this batch: TP2 alone 6e-7, CP2 x TP2 1.2e-6, both in expert
-# fc1 weights); every parameter still moves by ~lr, 50x the 1e-6 tolerance.
-PACKING = ["actor.max_tokens_per_micro_batch=192", "critic.max_tokens_per_micro_batch=256",
-           "actor.optim.lr=5e-5", "critic.optim.lr=5e-5"]
+PACKING = CP_PACKING  # why these budgets and this LR: tests/training/trainer_worker.py
 CP2 = ["parallelism.context=2"]
 LAYOUTS = {
     "cp2": (2, CP2),
@@ -43,8 +36,9 @@ SFT_KEYS = ("actor/loss", "actor/grad_norm", "actor/entropy")
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_hf_dir):
-    return run_distributed(rl_and_sft_step, 1, str(tiny_hf_dir), PACKING)[0]
+def reference(single_rank):
+    """The CP 1 steps, computed in the `single_rank` process (tests/conftest.py)."""
+    return single_rank["cp_reference"]
 
 
 def assert_same_step(got: dict, ref: dict, keys: tuple[str, ...], roles: tuple[str, ...], what: str) -> None:
@@ -60,9 +54,13 @@ def assert_same_step(got: dict, ref: dict, keys: tuple[str, ...], roles: tuple[s
 
 @pytest.mark.parametrize("layout", [name if name == "cp2" else pytest.param(name, marks=pytest.mark.slow)
                                     for name in LAYOUTS])
-def test_context_parallel_step_equals_cp1(layout, reference, tiny_hf_dir):
+def test_context_parallel_step_equals_cp1(layout, reference, request):
     ranks, overrides = LAYOUTS[layout]
-    got = run_distributed(rl_and_sft_step, ranks, str(tiny_hf_dir), [*PACKING, *overrides])[0]
+    if layout == "cp2":  # computed in the `two_ranks` process pair (tests/conftest.py)
+        got = request.getfixturevalue("two_ranks")[0]["cp2_step"]
+    else:
+        hf_dir = str(request.getfixturevalue("tiny_hf_dir"))
+        got = run_distributed(rl_and_sft_step, ranks, hf_dir, [*PACKING, *overrides])[0]
     assert_same_step(got["rl"], reference["rl"], RL_KEYS, ("actor", "critic"), f"{layout} SAO step")
     assert_same_step(got["sft"], reference["sft"], SFT_KEYS, ("actor",), f"{layout} SFT step")
     assert got["rl"]["metrics"]["critic/optimizer_steps"] == 2

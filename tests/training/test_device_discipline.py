@@ -10,14 +10,9 @@ import pytest
 from megatron_sao.platform import run_distributed
 from tests.training import device_worker
 
-# Several micro-batches per rank, truncated rows bootstrapped and a clipped value loss: every
-# branch of the step that builds tensors of its own.
-OVERRIDES = ["parallelism.expert=2", "critic.updates_per_actor_step=2", "actor.max_tokens_per_micro_batch=96",
-             "critic.max_tokens_per_micro_batch=128", "algorithm.bootstrap_truncated=true", "critic.value_clip=0.2"]
 
-
-def test_sao_step_keeps_every_tensor_on_the_compute_device(tiny_hf_dir):
-    ranks = run_distributed(device_worker.step_on_emulated_device, 2, str(tiny_hf_dir), OVERRIDES)
+def test_sao_step_keeps_every_tensor_on_the_compute_device(two_ranks):
+    ranks = [r["device_discipline"] for r in two_ranks]  # run first in the pair (tests/conftest.py)
     for r in ranks:
         assert r["params"] > 0 and r["params_not_on_device"] == []
         assert r["collectives"] > 0

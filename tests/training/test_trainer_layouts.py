@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_sao.platform import run_distributed
-from tests.training.trainer_worker import TIMING_PREFIXES, one_step_in_layout
+from tests.training.trainer_worker import LAYOUT_PACKING, TIMING_PREFIXES, one_step_in_layout
 
 LAYOUTS = {
     "tp2": ["parallelism.tensor=2"],
@@ -18,24 +18,24 @@ LAYOUTS = {
     "pp2": ["parallelism.pipeline=2"],
     "dp2": [],
 }
-# Token budgets small enough that the 8 trajectories span several micro-batches per rank. The LR
-# is 1e-4 (paper: 1e-6 / 5e-6): Adam's first step moves an element by lr * g / (|g| + eps), whose
-# sensitivity to g is ~lr / (4 eps) where |g| ~ eps, so the round-off that differs between layouts
-# (~1e-10 on such near-zero gradients) moves parameters by ~lr * 2.5e3: 2.5e-6 at lr 1e-3.
-PACKING = ["actor.max_tokens_per_micro_batch=96", "critic.max_tokens_per_micro_batch=128",
-           "actor.optim.lr=1e-4", "critic.optim.lr=1e-4"]
+PACKING = LAYOUT_PACKING  # why these budgets and this LR: tests/training/trainer_worker.py
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_hf_dir):
-    return run_distributed(one_step_in_layout, 1, str(tiny_hf_dir), PACKING)[0]
+def reference(single_rank):
+    """The single-process step, computed in the `single_rank` process (tests/conftest.py)."""
+    return single_rank["layout_reference"]
 
 
 # EP2 (the recipes' layout; dense weights data-parallel) in the default suite, the others slow.
 @pytest.mark.parametrize("layout", [layout if layout == "ep2" else pytest.param(layout, marks=pytest.mark.slow)
                                     for layout in LAYOUTS])
-def test_step_matches_single_process(layout, reference, tiny_hf_dir):
-    result = run_distributed(one_step_in_layout, 2, str(tiny_hf_dir), [*PACKING, *LAYOUTS[layout]])[0]
+def test_step_matches_single_process(layout, reference, request):
+    if layout == "ep2":  # computed in the `two_ranks` process pair (tests/conftest.py)
+        result = request.getfixturevalue("two_ranks")[0]["ep2_step"]
+    else:
+        hf_dir = str(request.getfixturevalue("tiny_hf_dir"))
+        result = run_distributed(one_step_in_layout, 2, hf_dir, [*PACKING, *LAYOUTS[layout]])[0]
     ref, got = reference["metrics"], result["metrics"]
     for key in ("actor/loss", "actor/grad_norm", "actor/entropy", "critic/value_loss", "critic/grad_norm",
                 "critic/grad_norm/experts", "critic/explained_variance", "actor/dis_masked_low_frac"):

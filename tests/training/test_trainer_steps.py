@@ -1,5 +1,6 @@
 """What one train step does: K critic updates, critic warmup, frozen critic attention, skipped
-steps on NaN, every ablation, SFT (gloo, CPU, tiny Qwen3-MoE, fp32)."""
+steps on NaN, every ablation, SFT (gloo, CPU, tiny Qwen3-MoE, fp32). The one-rank jobs run in the
+one process of the `single_rank` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from tests.training import trainer_worker
 from tests.training.trainer_worker import ABLATIONS
 
 
-def test_k_critic_updates_warmup_and_frozen_attention(tiny_hf_dir):
-    r = run_distributed(trainer_worker.warmup_and_frozen, 1, str(tiny_hf_dir))[0]
+def test_k_critic_updates_warmup_and_frozen_attention(single_rank):
+    r = single_rank["warmup_and_frozen"]
     history = r["history"]
     # K = 2: exactly two critic optimizer steps per train step, counted cumulatively.
     assert [m["critic/optimizer_steps"] for m in history] == [2, 4, 6, 8, 10]
@@ -29,10 +30,10 @@ def test_k_critic_updates_warmup_and_frozen_attention(tiny_hf_dir):
     assert all(m["critic/grad_norm/attention"] == 0.0 for m in history)
 
 
-def test_explained_variance_is_nan_for_a_constant_return_batch(tiny_hf_dir):
+def test_explained_variance_is_nan_for_a_constant_return_batch(single_rank):
     """Every return 1.0: no EV (NaN, counted), the step still trains; the next batch, with spread
     returns, is reported and the count stays."""
-    flat, spread = run_distributed(trainer_worker.constant_return_steps, 1, str(tiny_hf_dir))[0]
+    flat, spread = single_rank["constant_return"]
     assert math.isnan(flat["critic/explained_variance"]) and flat["critic/return_var"] == pytest.approx(0.0, abs=1e-9)
     assert flat["critic/explained_variance_nan_steps"] == 1.0
     assert math.isfinite(flat["actor/loss"]) and flat["train/step_skipped"] == 0.0
@@ -44,8 +45,11 @@ def test_explained_variance_is_nan_for_a_constant_return_batch(tiny_hf_dir):
 
 # The critic variant (NaN values, hence NaN advantages: the whole step skipped) is slow.
 @pytest.mark.parametrize("role", ["actor", pytest.param("critic", marks=pytest.mark.slow)])
-def test_nan_on_one_rank_skips_the_step_everywhere(tiny_hf_dir, role):
-    ranks = run_distributed(trainer_worker.inject_nan, 2, str(tiny_hf_dir), role, 1)
+def test_nan_on_one_rank_skips_the_step_everywhere(request, role):
+    if role == "actor":  # computed in the `two_ranks` process pair (tests/conftest.py)
+        ranks = [r["nan_actor"] for r in request.getfixturevalue("two_ranks")]
+    else:
+        ranks = run_distributed(trainer_worker.inject_nan, 2, str(request.getfixturevalue("tiny_hf_dir")), role, 1)
     for r in ranks:  # every rank: nothing of the poisoned role changed, not even optimizer state
         assert r["unchanged"][role], r["unchanged"]
         if role == "critic":  # NaN values -> NaN advantages: the whole step is skipped
@@ -57,8 +61,8 @@ def test_nan_on_one_rank_skips_the_step_everywhere(tiny_hf_dir, role):
         assert "2 consecutive steps skipped" in r["aborted"]
 
 
-def test_every_ablation_takes_a_step(tiny_hf_dir):
-    results = run_distributed(trainer_worker.ablation_steps, 1, str(tiny_hf_dir))[0]
+def test_every_ablation_takes_a_step(single_rank):
+    results = single_rank["ablations"]
     assert set(results) == set(ABLATIONS)
     for name, r in results.items():
         m = r["metrics"]
@@ -77,8 +81,8 @@ def test_every_ablation_takes_a_step(tiny_hf_dir):
     assert baseline is not None and sum(len(h) for h in baseline["history"].values()) == 8
 
 
-def test_sft_lowers_its_loss(tiny_hf_dir):
-    losses = run_distributed(trainer_worker.sft_steps, 1, str(tiny_hf_dir))[0]
+def test_sft_lowers_its_loss(single_rank):
+    losses = single_rank["sft"]
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.05, losses
 

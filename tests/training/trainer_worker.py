@@ -12,6 +12,25 @@ from tests.training.trajectories import random_trajectories
 
 TIMING_PREFIXES = ("time/", "perf/")
 
+# The single-process references of the layout tests (here so that the tests and the one process
+# that computes them, tests/conftest.py `single_rank`, name the same values).
+# test_trainer_layouts.py: token budgets small enough that the 8 trajectories span several
+# micro-batches per rank. The LR is 1e-4 (paper: 1e-6 / 5e-6): Adam's first step moves an element
+# by lr * g / (|g| + eps), whose sensitivity to g is ~lr / (4 eps) where |g| ~ eps, so the
+# round-off that differs between layouts (~1e-10 on such near-zero gradients) moves parameters by
+# ~lr * 2.5e3: 2.5e-6 at lr 1e-3.
+LAYOUT_PACKING = ["actor.max_tokens_per_micro_batch=96", "critic.max_tokens_per_micro_batch=128",
+                  "actor.optim.lr=1e-4", "critic.optim.lr=1e-4"]
+# test_context_parallel.py: token budgets small enough that the batch spans several micro-batches
+# of several rows (the long trajectory gets one of its own). lr 5e-5: Adam's first step moves an
+# element by lr * g / (|g| + eps), ~lr / (4 eps) times as sensitive to g where |g| ~ eps (experts
+# that get few tokens), so round-off that differs between layouts (~1e-10 there) moves such
+# parameters by ~lr * 1e4 (measured at lr 1e-4 on this batch: TP2 alone 6e-7, CP2 x TP2 1.2e-6,
+# both in expert fc1 weights); every parameter still moves by ~lr, 50x the 1e-6 tolerance.
+CP_PACKING = ["actor.max_tokens_per_micro_batch=192", "critic.max_tokens_per_micro_batch=256",
+              "actor.optim.lr=5e-5", "critic.optim.lr=5e-5"]
+
+
 
 def make_config(hf_dir: str, overrides: list[str]):
     import torch.distributed as dist

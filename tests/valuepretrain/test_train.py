@@ -14,24 +14,32 @@ from tests.training.full_params import checkpoint_tensors
 from tests.valuepretrain import handoff_worker
 from tests.valuepretrain.helpers import metrics_rows, numeric, pretrain_config
 
+EVERY = ["data.batch_size=6", "value_pretrain.eval_every=2", "checkpoint.save_every=2"]
+
 
 @pytest.fixture(scope="module")
-def runs(generated, tmp_path_factory):
-    """4 steps straight, and 2 steps then a resumed run to 4, on the generated corpus (batches of 6:
-    the epoch ends at step 4, after the resume point; held-out evaluation and checkpoints every 2)."""
+def straight(generated, tmp_path_factory):
+    """4 steps on the generated corpus (batches of 6: the epoch ends at step 4; held-out evaluation
+    and checkpoints every 2): the one pretraining run of the default suite."""
     config, result = generated
     root = tmp_path_factory.mktemp("pretrain")
     hf_dir, corpus = config.model.hf_path, result.corpus_dir
-    every = ["data.batch_size=6", "value_pretrain.eval_every=2", "checkpoint.save_every=2"]
-    straight = run_pretrain(pretrain_config(root, hf_dir, corpus, "straight", "run.total_steps=4", *every))
-    first = run_pretrain(pretrain_config(root, hf_dir, corpus, "resumed", "run.total_steps=2", *every))
-    resumed = run_pretrain(pretrain_config(root, hf_dir, corpus, "resumed", "run.total_steps=4", *every))
-    return {"root": root, "hf_dir": hf_dir, "straight": straight, "first": first, "resumed": resumed}
+    run = run_pretrain(pretrain_config(root, hf_dir, corpus, "straight", "run.total_steps=4", *EVERY))
+    return {"root": root, "hf_dir": hf_dir, "corpus": corpus, "straight": run}
+
+
+@pytest.fixture(scope="module")
+def runs(straight):
+    """`straight`, and 2 steps then a resumed run to 4 (the resume test only: two more runs)."""
+    root, hf_dir, corpus = straight["root"], straight["hf_dir"], straight["corpus"]
+    first = run_pretrain(pretrain_config(root, hf_dir, corpus, "resumed", "run.total_steps=2", *EVERY))
+    resumed = run_pretrain(pretrain_config(root, hf_dir, corpus, "resumed", "run.total_steps=4", *EVERY))
+    return {**straight, "first": first, "resumed": resumed}
 
 
 # Slow (default-suite time, issue 28): the loop and its resume are training/loop.py's, tested there
 # and in tests/training/test_checkpoint.py; value pretraining's run stays in the default suite through
-# test_heldout_evaluation_is_written (the module's runs).
+# test_heldout_evaluation_is_written (the `straight` run).
 @pytest.mark.slow
 def test_resume_mid_epoch_is_bit_identical(runs):
     root = runs["root"]
@@ -52,8 +60,9 @@ def test_resume_mid_epoch_is_bit_identical(runs):
     assert rows_a[-1]["data/epoch"] >= 1.0  # an epoch boundary lies after the resume point
 
 
-def test_heldout_evaluation_is_written(runs):
-    run_dir = runs["root"] / "straight"
+def test_heldout_evaluation_is_written(straight):
+    assert straight["straight"][0] == 0
+    run_dir = straight["root"] / "straight"
     calibration = json.loads((run_dir / "calibration.json").read_text())
     assert calibration["step"] == 4 and sum(b["count"] for b in calibration["bins"]) == calibration["action_tokens"]
     assert (run_dir / "calibration/step_0000002.json").is_file() and (run_dir / "calibration.png").stat().st_size
@@ -65,13 +74,12 @@ def test_heldout_evaluation_is_written(runs):
 
 @pytest.mark.slow  # a local Ray instance and one more pretraining run on top of the module's three
 @pytest.mark.timeout(900)
-def test_launcher_ray_runs_the_critics_ranks_on_ray(runs, generated, capfd):
+def test_launcher_ray_runs_the_critics_ranks_on_ray(straight, capfd):
     """launcher.ray=true places the two ranks as Ray actors (platform/launch.py, as `sao train`;
     before, value pretraining silently ran local processes), same run directory and checkpoints,
     and the first two steps match the local run's."""
-    root = runs["root"]
-    config = pretrain_config(root, runs["hf_dir"], generated[1].corpus_dir, "on_ray", "run.total_steps=2",
-                             "data.batch_size=6", "value_pretrain.eval_every=2", "checkpoint.save_every=2",
+    root = straight["root"]
+    config = pretrain_config(root, straight["hf_dir"], straight["corpus"], "on_ray", "run.total_steps=2", *EVERY,
                              "launcher.ray=true")
     code, result, run_dir = run_pretrain(config)
     out = capfd.readouterr().out
@@ -86,11 +94,11 @@ def test_launcher_ray_runs_the_critics_ranks_on_ray(runs, generated, capfd):
 
 
 @pytest.fixture(scope="module")
-def handoff(runs) -> dict:
+def handoff(straight) -> dict:
     """The pretrained critic's values restored in its own layout (DP2), and an RL trainer's whose critic
     starts from it through `critic.load`."""
-    iter_dir = str(runs["root"] / "straight/checkpoints/iter_0000004")
-    hf_dir = str(runs["hf_dir"])
+    iter_dir = str(straight["root"] / "straight/checkpoints/iter_0000004")
+    hf_dir = str(straight["hf_dir"])
     same = run_distributed(handoff_worker.values_before_and_after, 2, hf_dir, [], iter_dir)[0]
     return {"iter_dir": iter_dir, "hf_dir": hf_dir, "same": same}
 

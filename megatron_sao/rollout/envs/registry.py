@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from megatron_sao.config.rollout_names import accept_rollout_name
 from megatron_sao.rollout.environment import Environment, PromptSample
 
 EnvFactory = Callable[[PromptSample], Environment]
@@ -36,6 +37,7 @@ def register_environment(name: str, builder: EnvBuilder | str) -> None:
     if name in _REGISTRY:
         raise ValueError(f"environment {name!r} is already registered")
     _REGISTRY[name] = builder
+    accept_rollout_name("rollout.environment", name)  # so that a recipe naming it passes config load
 
 
 def registered_environments() -> list[str]:

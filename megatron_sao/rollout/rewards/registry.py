@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from megatron_sao.config.rollout_names import accept_rollout_name
 from megatron_sao.rollout.rewards.answers import exact_match, math_equivalence
 from megatron_sao.rollout.rewards.base import RewardFn
 from megatron_sao.rollout.rewards.remote import RemoteRewardModel
@@ -29,6 +30,7 @@ def register_reward(name: str, factory: RewardFactory) -> None:
     if name in _REGISTRY:
         raise ValueError(f"reward {name!r} is already registered")
     _REGISTRY[name] = factory
+    accept_rollout_name("rollout.reward", name)  # so that a recipe naming it passes config load
 
 
 def registered_rewards() -> list[str]:
