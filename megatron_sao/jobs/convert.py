@@ -4,7 +4,7 @@
 `sao` parser; every leaf sub-command stores `func` (`run_hf_to_mcore`, `run_mcore_to_hf`,
 `run_verify` here), a callable taking the parsed namespace and returning the exit status (0 ok,
 1 verification above tolerance), and `quiet_log=True`: the caller (`sao`'s `main`, or
-`main` here for tools/convert_*.py) runs it through `console.run_command`, which maps exceptions
+`jobs/convert_parser.py:main` for tools/convert_*.py) runs it through `console.run_command`, which maps exceptions
 to exit codes 2 (user error) and 3 (internal error) and sends third-party output to the log file
 (`--log-file`, default a fresh file in the temp directory; `-v` keeps it on the terminal). The
 command's own lines go to the terminal; its result is the last one.
@@ -13,13 +13,11 @@ command's own lines go to the terminal; its result is the last one.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from pathlib import Path
 
 from megatron_sao.checkpointing.manifest import check_checkpoint_kinds
-from megatron_sao.utils.args import SaoArgumentParser
-from megatron_sao.utils.console import console_out, log_path_for, run_command
+from megatron_sao.utils.console import console_out
 
 
 def _layout(args: argparse.Namespace):
@@ -101,16 +99,3 @@ def run_verify(args: argparse.Namespace) -> int:
     _report(rank, [f"verify: {result.describe()}",
                    f"verify: {'OK' if ok else 'FAILED'} (tolerance {args.tolerance:g} on the max-abs difference)"])
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone `sao`-like entry (for tools/convert_*.py), with `sao`'s exit codes."""
-    from megatron_sao.jobs.convert_parser import add_convert_parser
-
-    parser = SaoArgumentParser(prog="sao")
-    parser.add_argument("-v", "--verbose", action="store_true", help="third-party output on the terminal")
-    add_convert_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_command(f"sao {args.command}", args.func, args, log_path_for(args))

@@ -12,7 +12,7 @@ import argparse
 from megatron_sao.checkpointing.families import FAMILIES
 from megatron_sao.checkpointing.io_bucket import DEFAULT_IO_BUCKET_BYTES
 from megatron_sao.jobs.convert import run_hf_to_mcore, run_mcore_to_hf, run_verify
-from megatron_sao.utils.args import byte_size, float_in, int_at_least
+from megatron_sao.utils.args import SaoArgumentParser, byte_size, float_in, int_at_least
 
 _LAYOUT_HELP = """
 parallel layout (the model is built in it; the torch_dist checkpoint itself reshards on load into
@@ -149,3 +149,18 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     _add_layout(ver)
     ver.set_defaults(func=run_verify)
     return convert
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone `sao`-like entry (for tools/convert_*.py), with `sao`'s exit codes."""
+    import logging
+
+    from megatron_sao.utils.console import log_path_for, run_command
+
+    parser = SaoArgumentParser(prog="sao")
+    parser.add_argument("-v", "--verbose", action="store_true", help="third-party output on the terminal")
+    add_convert_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_command(f"sao {args.command}", args.func, args, log_path_for(args))
