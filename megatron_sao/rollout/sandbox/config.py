@@ -31,7 +31,8 @@ class SandboxConfig:
     """Where the host-side scratch directory of each call is made (None: the system temp dir).
     Used as the code's cwd only when the mount namespace is unavailable; always removed."""
     cpu_time_s: float | None = None
-    """RLIMIT_CPU per process; None = the call's timeout_s (a busy loop hits the wall clock)."""
+    """RLIMIT_CPU per process; None = the call's timeout_s + 1 s (a busy loop hits the wall clock
+    first, and is reported as the timeout it is, even with a whole core to itself)."""
     namespaces: tuple[str, ...] = ("net", "mount", "pid")
     drop_privileges: bool = True
     """Run the code as uid `uid_base + supervisor pid` (unique while the sandbox lives)."""

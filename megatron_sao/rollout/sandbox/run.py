@@ -132,7 +132,9 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, *,
         return _failure(f"sandbox setup failed: cannot create a scratch directory in {cfg.scratch_root}: {e}", start)
     spec = {
         "code": code, "timeout_s": timeout_s, "memory_mb": memory_mb,
-        "cpu_time_s": cfg.cpu_time_s or timeout_s, "python": cfg.python,
+        # Default CPU limit one second past the wall clock: a busy loop on a free core accrues CPU
+        # time as fast as wall time, and must end as the timeout it is, not as SIGXCPU.
+        "cpu_time_s": cfg.cpu_time_s or timeout_s + 1.0, "python": cfg.python,
         "python_args": list(cfg.python_args), "namespaces": list(cfg.namespaces),
         "drop_privileges": cfg.drop_privileges, "uid_base": cfg.uid_base, "strict": cfg.strict,
         "max_processes": cfg.max_processes, "max_open_files": cfg.max_open_files,
