@@ -14,10 +14,17 @@ regex match is normally kept.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from megatron_sao.cpu_engine.request import EngineRequest
+
+class StopState(Protocol):
+    """What the stop checks read of a request (`request.EngineRequest` has it): its sampling
+    settings (a `sampling_params.SamplingConfig`), its output so far and its limits."""
+
+    sampling: Any
+    output_ids: list[int]
+    stop_window: int
+    max_new_tokens: int
 
 MAX_STOP_REGEX_BYTES = 256  # SGLang's MAX_STOP_REGEX_LEN
 UNBOUNDED = 1 << 30
@@ -74,7 +81,7 @@ def stop_window(stop_token_lengths: list[int], stop_regex: list[str]) -> int:
     return min(longest + 1, UNBOUNDED)
 
 
-def finish_reason(req: EngineRequest, eos_token_ids: frozenset[int], tokenizer) -> dict[str, Any] | None:
+def finish_reason(req: StopState, eos_token_ids: frozenset[int], tokenizer) -> dict[str, Any] | None:
     """SGLang's finish reason for `req` after its latest token, or None while it continues."""
     cfg = req.sampling
     if cfg.stop or cfg.stop_patterns:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from fastapi import FastAPI, Request
@@ -40,8 +40,18 @@ from megatron_sao.rollout.weight_transfer import (
     parse_dtype_name,
 )
 
-if TYPE_CHECKING:
-    from megatron_sao.cpu_engine.server import CPUEngine
+
+class WeightRouteEngine(Protocol):
+    """The engine state the weight routes use (`server.CPUEngine` has it; typed here so that this
+    module does not import the server that registers it)."""
+
+    groups: Any
+    occupation: Any
+    runner: Any
+    scheduler: Any
+    server: Any
+    weight_session: Any
+    weights: Any
 
 
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
@@ -66,7 +76,7 @@ async def _body(http: Request) -> dict[str, Any]:
 
 
 def register_weight_routes(
-    app: FastAPI, engine: CPUEngine, on_scheduler: Callable[[Callable[[], Any]], Awaitable[Any]]
+    app: FastAPI, engine: WeightRouteEngine, on_scheduler: Callable[[Callable[[], Any]], Awaitable[Any]]
 ) -> None:
     sched = engine.scheduler
 
