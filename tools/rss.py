@@ -87,7 +87,9 @@ def measured(fn: Callable[..., dict], *args: Any, warm_dir: Path | None = None) 
     result = dict(fn(*args))
     end = resource.getrusage(resource.RUSAGE_SELF)
     result.update(rss_start=start, rss_peak=_status_kb("VmHWM") * 1024, rss_peak_reset=reset,
-                  cpu_seconds=end.ru_utime + end.ru_stime - cpu.ru_utime - cpu.ru_stime,
+                  # user + kernel deltas summed as deltas: with no user time the total equals the
+                  # kernel share exactly (a sum of the four totals can round below it)
+                  cpu_seconds=(end.ru_utime - cpu.ru_utime) + (end.ru_stime - cpu.ru_stime),
                   kernel_cpu_seconds=end.ru_stime - cpu.ru_stime,
                   faulted_bytes=(end.ru_minflt - cpu.ru_minflt) * resource.getpagesize())
     return result
