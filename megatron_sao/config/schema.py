@@ -281,9 +281,8 @@ class RolloutConfig:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options."""
     environment: str = "math_python"
-    """Environment name (registered: calc, calc_shift, guess_number, longtail, math_python,
-    openai_scaffold, subprocess; see `config/rollout_names.py`) or `module:attribute`; checked when
-    the config loads."""
+    """Environment name (registered: `config/rollout_names.py`; an unknown name's error lists them)
+    or `module:attribute`; checked when the config loads."""
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options of the environment (its builder's keyword arguments, e.g. `calc`'s CalcConfig
     fields); they override what is derived from the keys below."""

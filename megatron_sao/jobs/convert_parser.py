@@ -1,8 +1,8 @@
 """The `sao convert {hf-to-mcore, mcore-to-hf, verify}` command line: sub-commands, flags, help.
 
-`add_convert_parser(subparsers)` registers `convert` on a `sao` sub-parser set (`cli.py`; `main` in
-`jobs/convert.py` for tools/convert_*.py; `sao launch slurm --command 'convert ...'` checks a
-command with it before submitting); each leaf stores its runner in `jobs/convert.py` as `func`.
+`add_convert_parser(subparsers)` registers `convert` on a `sao` sub-parser set (`cli.py`; `main`
+below for tools/convert_*.py; `sao launch slurm --command 'convert ...'` checks a command with it
+before submitting); each leaf stores its runner in `jobs/convert.py` as `func`.
 """
 
 from __future__ import annotations

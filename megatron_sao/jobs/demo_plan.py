@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.schema import SaoConfig
-from megatron_sao.rollout.envs.calc import CALC_TIERS, CalcTier
+from megatron_sao.rollout.envs.calc import (
+    CALC_TIERS,
+    CalcTier,
+    generate_calc_samples,
+    make_calc,
+    oracle_action,
+    write_calc_split,
+)
 
 
 @dataclass(kw_only=True)
@@ -51,8 +58,6 @@ def two_operand_plan() -> DemoPlan:
 def prompt_files(base: Path, plan: DemoPlan, seed: int) -> tuple[Path, list[Any]]:
     """Training prompts (JSONL) and held-out prompts that repeat no training prompt and no SFT
     demonstration (`calc.write_calc_split`)."""
-    from megatron_sao.rollout.envs.calc import write_calc_split
-
     demonstrated = {s.metadata["expression"] for s in demonstration_samples(plan, seed)}
     return write_calc_split(base / "train_prompts.jsonl", plan.num_train_prompts, plan.num_heldout_prompts, seed,
                             tiers=plan.calc_tiers, exclude=demonstrated)
@@ -60,8 +65,6 @@ def prompt_files(base: Path, plan: DemoPlan, seed: int) -> tuple[Path, list[Any]
 
 def demonstration_samples(plan: DemoPlan, seed: int) -> list[Any]:
     """The prompts of the SFT demonstrations (held-out prompts exclude them)."""
-    from megatron_sao.rollout.envs.calc import generate_calc_samples
-
     return generate_calc_samples(plan.num_demonstrations, seed + 7, tiers=plan.demonstration_tiers or plan.calc_tiers)
 
 
@@ -69,7 +72,6 @@ def demonstrations_file(config: SaoConfig, base: Path, plan: DemoPlan, seed: int
     from transformers import AutoTokenizer
 
     from megatron_sao.rollout.demonstrations import demonstrations
-    from megatron_sao.rollout.envs.calc import make_calc, oracle_action
     from megatron_sao.rollout.trajectory_io import write_parquet
 
     path = base / "demonstrations.parquet"

@@ -22,7 +22,7 @@ def main(out: str, seed: int, steps: int) -> None:
     base = Path(out) / config.run.name
     if not (base / "sft_hf" / "config.json").is_file():
         raise ValueError(f"{base}: no finished demo here (sft_hf missing); run `sao demo` with this output dir first")
-    prepared = stages.Prepared(base, base / "sft_hf", base / "value" / "checkpoints", base / "train_prompts.jsonl", [])
+    prepared = stages.prepare_policy_and_critic(config, DemoPlan())  # complete: every stage is skipped
     overrides = stages.rl_stage_overrides(prepared, DemoPlan())
     overrides.pop("critic.load")
     overrides.update({"critic.warmup_steps": config.critic.warmup_steps, "run.total_steps": steps,

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_sao.rollout.datasets import write_prompts
 from megatron_sao.rollout.environment import TRUNCATION_REASON_KEY, Environment, PromptSample, StepResult
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -227,8 +228,6 @@ def generate_calc_samples(num_samples: int, seed: int, *, max_digits: int = 2, o
 
 def write_calc_dataset(path: str | Path, num_samples: int, seed: int, **kwargs: Any) -> Path:
     """Write the problems as JSONL in the prompt-dataset schema (`datasets.load_prompts` reads it)."""
-    from megatron_sao.rollout.datasets import write_prompts
-
     return write_prompts(path, generate_calc_samples(num_samples, seed, **kwargs))
 
 
@@ -238,8 +237,9 @@ def write_calc_split(path: str | Path, num_train: int, num_heldout: int, seed: i
     """Training problems written to `path` (`write_calc_dataset`), and `num_heldout` held-out problems
     (drawn from another seed) whose expressions no training problem repeats, nor `exclude` (e.g. the
     expressions of SFT demonstrations)."""
-    train = write_calc_dataset(path, num_train, seed, tiers=tiers)
-    seen = {s.metadata["expression"] for s in generate_calc_samples(num_train, seed, tiers=tiers)} | set(exclude)
+    training = generate_calc_samples(num_train, seed, tiers=tiers)
+    train = write_prompts(path, training)
+    seen = {s.metadata["expression"] for s in training} | set(exclude)
     candidates = generate_calc_samples(num_heldout * 4, seed + 1_000_003, tiers=tiers)
     return train, [s for s in candidates if s.metadata["expression"] not in seen][:num_heldout]
 
