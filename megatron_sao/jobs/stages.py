@@ -100,11 +100,7 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     train_prompts, heldout = prompt_files(base, plan, seed)
 
     say("[2/5] SFT on demonstrations")
-    sft = stage_config(config, "sft", **{"data.trajectories_path": demonstrations_file(config, base, plan, seed),
-                                          "actor.load": mcore, "run.total_steps": plan.sft_steps,
-                                          "actor.optim.lr": plan.sft_lr, "data.batch_size": plan.sft_batch_size,
-                                          "checkpoint.save_every": 0, "rollout.source": "recorded",
-                                          "launcher.ray": False})
+    sft = stage_config(config, "sft", **sft_stage_overrides(plan, demonstrations_file(config, base, plan, seed), mcore))
     check_stage(run_train(sft, mode="sft"))
     trained = replace(sft, actor=replace(sft.actor, load=str(latest_checkpoint(base / "sft"))))
     sft_hf = export_actor(trained, base / "sft_hf")
@@ -119,6 +115,15 @@ def prepare_policy_and_critic(config: SaoConfig, plan: DemoPlan) -> Prepared:
     with stage_progress(value, Path(value.run.output_dir) / value.run.name):
         check_stage(run_pretrain(value))
     return Prepared(base, sft_hf, base / "value" / "checkpoints", train_prompts, heldout)
+
+
+def sft_stage_overrides(plan: DemoPlan, demonstrations: Path, mcore: Path) -> dict[str, Any]:
+    """The SFT stage's settings on top of the recipe: the plan's sizes at a constant learning rate
+    (the recipe's actor schedule, cosine in tiny_cpu.yaml, is the RL stage's)."""
+    return {"data.trajectories_path": demonstrations, "actor.load": mcore, "run.total_steps": plan.sft_steps,
+            "actor.optim.lr": plan.sft_lr, "actor.optim.lr_decay_style": "constant", "actor.optim.min_lr": 0.0,
+            "data.batch_size": plan.sft_batch_size, "checkpoint.save_every": 0, "rollout.source": "recorded",
+            "launcher.ray": False}
 
 
 def rl_stage_overrides(prepared: Prepared, plan: DemoPlan) -> dict[str, Any]:

@@ -172,8 +172,8 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
     Claim("The critic beats a running-mean baseline (97.3 vs 79.8)", "sao", "running_mean"),
     Claim("Value pretraining avoids the critic's cold start (final success)", "sao", "sao_no_value_pretrain"),
     Claim("Single rollout + critic trains stably for ~1000 steps while vanilla GRPO collapses near step 160 "
-          "(VAPO near 90)", testable_note="runs here are 150 steps on a 2-layer model; the table's drawdown "
-                                          "column shows how far each variant slid back instead"),
+          "(VAPO near 90)", testable_note="runs here are at most a few hundred steps on a 2-layer model; the "
+                                          "table's drawdown column shows how far each variant slid back instead"),
     Claim("SAO on SWE-Bench Verified (29.8 vs GRPO + DIS 27.0, base 23.0) and at 750B-A40B",
           testable_note="no agentic coding task or large model on this box"),
 )
@@ -282,11 +282,13 @@ def setup_text(rl: Any, seeds: Sequence[int], heldout: int, eval_every: int, eva
     import os
 
     trajectories = rl.run.total_steps * rl.data.batch_size
+    actor = rl.actor.optim
+    schedule = "" if actor.lr_decay_style == "constant" else f" ({actor.lr_decay_style} to {actor.min_lr:g})"
     return (f"Every run: {rl.run.total_steps} steps of {rl.data.batch_size} trajectories ({trajectories} sampled "
-            f"trajectories; GRPO variants: {rl.data.batch_size // 8} prompts x 8), actor lr {rl.actor.optim.lr:g}, "
+            f"trajectories; GRPO variants: {rl.data.batch_size // 8} prompts x 8), actor lr {actor.lr:g}{schedule}, "
             f"critic lr {rl.critic.optim.lr:g}, the `{rl.rollout.environment}` task with its difficulty tiers, "
             f"seeds {list(seeds)} (the RL stage's seed: rollouts, data order, initial value head where fresh; the SFT "
             f"and value-pretrained start is the same for all). Held-out prompts: {heldout} (none in the "
             f"training prompts), the first {eval_prompts} evaluated during training every {eval_every} steps, all of "
-            f"them for the final policy. Machine: {os.cpu_count()} cores shared with other jobs (load average "
-            f"{load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end), so wall times carry that load.")
+            f"them for the final policy. Machine: {os.cpu_count()} cores, load average {load_before[0]:.1f} at the "
+            f"start and {load_after[0]:.1f} at the end (wall times carry whatever else ran).")

@@ -3,10 +3,14 @@ converter itself (before: a `sao convert` subprocess whose stdout the demo parse
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_sao.checkpointing.manifest import MANIFEST_FILE
 from megatron_sao.jobs.stages import convert_to_mcore
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow  # one conversion on a spawned process: ~35 s on the 2-core box under load
@@ -36,3 +40,18 @@ def test_heldout_prompts_are_disjoint_from_training_prompts_and_demonstrations(t
     tiers = {s.metadata["tier"] for s in heldout}
     assert tiers == {t.name for t in plan.calc_tiers}
     assert {s.metadata["tier"] for s in demonstration_samples(plan, seed=3)} == tiers - {plan.calc_tiers[-1].name}
+
+
+def test_sft_stage_keeps_a_constant_rate(tmp_path):
+    """The recipe's decaying actor schedule is RL's: the demo's SFT stage resolves to a constant rate."""
+    from megatron_sao.config import load_config
+    from megatron_sao.jobs.demo_plan import DemoPlan
+    from megatron_sao.jobs.stages import sft_stage_overrides, stage_config
+
+    config = load_config(REPO / "recipes" / "tiny_cpu.yaml", [f"run.output_dir={tmp_path}"])
+    assert (config.actor.optim.lr_decay_style, config.actor.optim.min_lr) == ("cosine", 2e-5)
+    plan = DemoPlan()
+    sft = stage_config(config, "sft", **sft_stage_overrides(plan, tmp_path / "d.parquet", tmp_path / "mcore"))
+    assert (sft.actor.optim.lr_decay_style, sft.actor.optim.min_lr, sft.actor.optim.lr) == ("constant", 0.0,
+                                                                                           plan.sft_lr)
+    assert sft.run.total_steps == plan.sft_steps

@@ -99,7 +99,8 @@ def test_setup_text_states_what_every_run_shares():
     assert text.startswith("Every run: 30 steps of 16 trajectories (480 sampled trajectories; GRPO variants: 2 "
                            "prompts x 8)")
     assert "seeds [1, 2]" in text and "Held-out prompts: 128" in text and "the first 64 evaluated" in text
-    assert "every 15 steps" in text and "load average 1.5 at the start, 2.2 at the end" in text
+    assert "every 15 steps" in text and "load average 1.5 at the start and 2.2 at the end" in text
+    assert "actor lr 0.0002 (cosine to 2e-05)" in text  # the recipe's RL schedule is stated
 
 
 @pytest.mark.slow
