@@ -32,6 +32,7 @@ from megatron_sao.jobs.stages import (
     say,
     stage_config,
 )
+from megatron_sao.reporting.heldout_noise import per_tier_noise, pooled_noise
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,15 @@ def success_by_tier(trajectories: list[Any]) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in sorted(groups.items()) if v}
 
 
+def tier_counts(trajectories: list[Any]) -> dict[str, int]:
+    """Episodes per `metadata["tier"]` (`{"all": N}` when the prompts name no tier)."""
+    counts: dict[str, int] = {}
+    for t in trajectories:
+        tier = str(t.metadata["tier"]) if "tier" in t.metadata else "all"
+        counts[tier] = counts.get(tier, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def evaluate(config: SaoConfig, hf_dir: Path, samples: list[Any], log_dir: Path) -> float:
     """Share of `samples` whose episode earns reward 1 with engines serving `hf_dir`."""
     return success_by_tier(rollout_heldout(config, hf_dir, samples, log_dir))["all"]
@@ -93,13 +103,20 @@ def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
     sao_hf = export_actor(trained, base / "sao_hf")
 
     say(f"[5/5] held-out evaluation on {len(heldout)} prompts")
-    by_tier = {name: success_by_tier(rollout_heldout(rl, path, heldout, base / f"eval_{name}"))
-               for name, path in (("sft", sft_hf), ("sao", sao_hf))}
+    episodes = {name: rollout_heldout(rl, path, heldout, base / f"eval_{name}")
+                for name, path in (("sft", sft_hf), ("sao", sao_hf))}
+    by_tier = {name: success_by_tier(trajectories) for name, trajectories in episodes.items()}
+    counts = tier_counts(episodes["sft"])
     scores = {name: tiers["all"] for name, tiers in by_tier.items()}
-    (base / "heldout.json").write_text(json.dumps({**scores, "num_prompts": len(heldout), "by_tier": by_tier}) + "\n")
+    noise = {"pooled": pooled_noise(scores["sft"], scores["sao"], len(heldout)),
+             "per_tier": per_tier_noise(by_tier["sft"], by_tier["sao"], counts)}
+    (base / "heldout.json").write_text(json.dumps({**scores, "num_prompts": len(heldout), "by_tier": by_tier,
+                                                   "tier_counts": counts, "noise": noise}) + "\n")
     if len(by_tier["sft"]) > 1:
         say("held-out success by tier: " + ", ".join(f"{tier} {by_tier['sft'][tier]:.2f}->{by_tier['sao'][tier]:.2f}"
                                                       for tier in by_tier["sft"] if tier != "all"))
+    say(f"held-out gain {scores['sao'] - scores['sft']:+.3f}; the evaluation's noise on it (1.96 sd, "
+        f"reporting/heldout_noise.py): {noise['per_tier']:.3f} per tier, {noise['pooled']:.3f} pooled")
     report = write_report(base / "sao")
     say(f"report: {report.page}")
     say(f"held-out success: sft={scores['sft']:.3f} sao={scores['sao']:.3f} ({len(heldout)} prompts)")

@@ -3,6 +3,7 @@ held-out evaluation) end to end on the tiny model, with small stages."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -25,7 +26,11 @@ def test_demo_runs_every_stage_and_reports_heldout_success(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert re.fullmatch(r"held-out success: sft=\d\.\d{3} sao=\d\.\d{3} \(8 prompts\)", lines[-1]), lines[-1]
     assert lines[-2].startswith("report: ") and Path(lines[-2].removeprefix("report: ")).is_file()
+    assert re.fullmatch(r"held-out gain [+-]\d\.\d{3}; the evaluation's noise on it \(1\.96 sd, "
+                        r"reporting/heldout_noise\.py\): \d\.\d{3} per tier, \d\.\d{3} pooled", lines[-3]), lines[-3]
     base = tmp_path / "tiny_cpu"
+    held = json.loads((base / "heldout.json").read_text())
+    assert sum(held["tier_counts"].values()) == 8 and set(held["noise"]) == {"per_tier", "pooled"}
     for stage in ("mcore", "sft", "sft_hf", "value", "value_corpus", "sao", "sao_hf"):
         assert (base / stage).is_dir(), stage
     for export in ("sft_hf", "sao_hf"):  # written by `sao convert mcore-to-hf`'s converter (its marker)
@@ -40,7 +45,7 @@ def test_heldout_evaluation_runs_a_gateway_scaffold_through_its_runner(tmp_path)
     evaluation built an `AgentLoop`, whose `reset` of a scaffold environment raised TypeError:
     every episode FAILED, success 0."""
     from megatron_sao.config import load_config
-    from megatron_sao.jobs.demo import rollout_heldout, success_by_tier
+    from megatron_sao.jobs.demo import rollout_heldout, success_by_tier, tier_counts
     from megatron_sao.rollout.datasets import load_prompts
     from megatron_sao.rollout.envs.calc import write_calc_dataset
     from megatron_sao.rollout.trajectory import TrajectoryStatus
@@ -57,3 +62,4 @@ def test_heldout_evaluation_runs_a_gateway_scaffold_through_its_runner(tmp_path)
     assert [t.prompt_id for t in trajectories] == [s.prompt_id for s in samples]
     assert all(t.status == TrajectoryStatus.COMPLETED for t in trajectories), [t.status_reason for t in trajectories]
     assert success_by_tier(trajectories)["all"] == 1.0
+    assert sum(tier_counts(trajectories).values()) == 3

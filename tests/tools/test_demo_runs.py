@@ -21,8 +21,10 @@ def _run(root: Path, seed: int, sft: float, sao: float, evs: list[float]) -> Non
     base = root / f"s{seed}_r1" / "tiny_cpu"
     (base / "sao").mkdir(parents=True)
     by_tier = {"sft": {"all": sft, "t0_a": 0.9, "t3_b": 0.0}, "sao": {"all": sao, "t0_a": 1.0, "t3_b": 0.0}}
-    (base / "heldout.json").write_text(json.dumps({"sft": sft, "sao": sao, "num_prompts": 1024, "by_tier": by_tier}))
-    rows = [{"step": i + 1, "critic/explained_variance": ev, "train/success_rate": 0.5} for i, ev in enumerate(evs)]
+    (base / "heldout.json").write_text(json.dumps({"sft": sft, "sao": sao, "num_prompts": 1024, "by_tier": by_tier,
+                                                   "tier_counts": {"t0_a": 512, "t3_b": 512}}))
+    rows = [{"step": i + 1, "critic/explained_variance": ev, "train/success_rate": 0.5, "staleness/mean": 2.0}
+            for i, ev in enumerate(evs)]
     (base / "sao" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with (root / "results.txt").open("a") as f:
         f.write(f"seed={seed} repeat=1 rc=0 wall=100s held-out success: sft={sft:.3f} sao={sao:.3f} (1024 prompts)\n")
@@ -35,9 +37,10 @@ def test_table_states_the_noise_and_counts_runs_beyond_it(tmp_path, capsys):
     _summarize_module().main(tmp_path)
     out = capsys.readouterr().out
     noise = 1.96 * math.sqrt(0.55 * 0.45 / 1024 + 0.65 * 0.35 / 1024)
-    assert f"| 1 | 1 | 0.550 | 0.650 | +0.100 | {noise:.3f} | 0.10 | 0.70 (0) |" in out
+    tier_noise = 1.96 * math.sqrt(512 * (0.9 * 0.1 + 0.0)) / 1024  # the unsolved tier adds nothing
+    assert f"| 1 | 1 | 0.550 | 0.650 | +0.100 | {noise:.3f} / {tier_noise:.3f} | 0.10 | 0.70 (0) |" in out
     assert "| 2 | 1 | 0.550 | 0.570 | +0.020 |" in out and "| 0.20 (1) |" in out
-    assert "t0 0.90->1.00 t3 0.00->0.00" in out
+    assert "| 0.50 / 0.50 | 2.00 | t0 0.90->1.00 t3 0.00->0.00 | 100 |" in out
     assert "not a finished run: seed=3" in out
-    assert "SAO > SFT in 2; gain beyond the evaluation's noise in 1 of 2" in out
+    assert "SAO > SFT in 2; gain beyond the evaluation's noise in 1 of 2 (pooled), 2 of 2 (per tier)" in out
     assert "(>= 0.5 in 1 of 2)" in out
