@@ -75,7 +75,7 @@ def success_by_tier(trajectories: list[Any]) -> dict[str, float]:
 
 
 def tier_counts(trajectories: list[Any]) -> dict[str, int]:
-    """Episodes per `metadata["tier"]` (`{"all": N}` when the prompts name no tier)."""
+    """Episodes (or prompt samples) per `metadata["tier"]` (`{"all": N}` when the prompts name no tier)."""
     counts: dict[str, int] = {}
     for t in trajectories:
         tier = str(t.metadata["tier"]) if "tier" in t.metadata else "all"

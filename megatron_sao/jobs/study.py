@@ -53,7 +53,7 @@ def variant_overrides(config: SaoConfig, name: str) -> dict[str, Any]:
 
 def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: Any, eval_every: int,
               eval_prompts: int, command: str) -> Path:
-    from megatron_sao.jobs.demo import rollout_heldout, success_by_tier
+    from megatron_sao.jobs.demo import rollout_heldout, success_by_tier, tier_counts
     from megatron_sao.jobs.stages import (
         check_stage,
         export_actor,
@@ -64,6 +64,7 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
         stage_config,
     )
     from megatron_sao.jobs.train import run_train
+    from megatron_sao.reporting.heldout_noise import evaluation_sd
     from megatron_sao.reporting.study import setup_text, summarise_run, write_study
     from megatron_sao.rollout.datasets import write_prompts
 
@@ -83,6 +84,7 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
         sft_file.write_text(json.dumps(tiers) + "\n")
     sft_heldout = json.loads(sft_file.read_text())["all"]
 
+    counts = tier_counts(prepared.heldout)
     summaries: dict[str, list[Any]] = {v: [] for v in variants}
     load_before = os.getloadavg()
     for seed in seeds:
@@ -105,7 +107,7 @@ def run_study(config: SaoConfig, seeds: list[int], variants: list[str], plan: An
                 final.write_text(json.dumps({"heldout": tiers["all"], "by_tier": tiers, "wall_s": wall}) + "\n")
             result = json.loads(final.read_text())
             summary = summarise_run(variant, seed, run_dir / "metrics.jsonl", result["heldout"], sft_heldout,
-                                    result["wall_s"])
+                                    result["wall_s"], evaluation_sd(result["by_tier"], counts))
             summaries[variant].append(summary)
             say(f"[study] {name}: held-out {summary.heldout:.3f} (SFT {sft_heldout:.3f}), critic EV (last 20) "
                  f"{'n/a' if summary.ev_last20 is None else f'{summary.ev_last20:.2f}'}")

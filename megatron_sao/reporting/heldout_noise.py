@@ -28,13 +28,19 @@ def pooled_noise(rate_a: float, rate_b: float, num_prompts: int) -> float:
     return Z * math.sqrt((rate_a * (1 - rate_a) + rate_b * (1 - rate_b)) / num_prompts)
 
 
-def per_tier_noise(rates_a: Mapping[str, float], rates_b: Mapping[str, float], counts: Mapping[str, int]) -> float:
-    """`rates_*`: success per tier (extra keys such as `all` are ignored); `counts`: prompts per tier."""
-    missing = sorted(set(counts) - set(rates_a) | set(counts) - set(rates_b))
+def evaluation_sd(rates: Mapping[str, float], counts: Mapping[str, int]) -> float:
+    """The sd of one policy's success rate from its evaluation's sampling alone, per tier:
+    sqrt(sum over tiers of n_t p_t (1 - p_t)) / N. `rates`: success per tier (extra keys such as
+    `all` are ignored); `counts`: prompts per tier."""
+    missing = sorted(set(counts) - set(rates))
     if missing:
-        raise ValueError(f"per_tier_noise: no success rate for tier(s) {missing}")
+        raise ValueError(f"no success rate for tier(s) {missing}")
     total = sum(counts.values())
     if total <= 0:
-        raise ValueError(f"per_tier_noise: no prompts in {dict(counts)}")
-    variance = sum(n * (rates_a[t] * (1 - rates_a[t]) + rates_b[t] * (1 - rates_b[t])) for t, n in counts.items())
-    return Z * math.sqrt(variance) / total
+        raise ValueError(f"no prompts in {dict(counts)}")
+    return math.sqrt(sum(n * rates[t] * (1 - rates[t]) for t, n in counts.items())) / total
+
+
+def per_tier_noise(rates_a: Mapping[str, float], rates_b: Mapping[str, float], counts: Mapping[str, int]) -> float:
+    """1.96 sd of the difference of two policies' success rates on the same prompts, per tier."""
+    return Z * math.hypot(evaluation_sd(rates_a, counts), evaluation_sd(rates_b, counts))

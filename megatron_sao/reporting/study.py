@@ -13,10 +13,14 @@ Per run (one variant, one seed) from its `metrics.jsonl` and its final held-out 
     masked           DIS masked fraction (DIS losses) or PPO clip fraction (PPO), mean over steps
     staleness        mean of the per-batch mean staleness (actor versions)
     wall_s           wall time of the RL stage
+    eval_sd          sd of `heldout` from the final evaluation's sampling alone (per difficulty tier,
+                     `reporting/heldout_noise.evaluation_sd`)
 and per variant the mean and the sd over seeds. A claim of the paper "A beats B" counts as
 reproduced when the mean held-out success of A exceeds B's by more than twice the standard error
-of the difference (sd over seeds, which includes the evaluation's own noise); otherwise not
-reproduced, saying whether the sign agreed.
+of the difference; otherwise not reproduced, saying whether the sign agreed. A variant's variance
+per run is its sd over seeds squared, but never less than its evaluation's own variance
+(`eval_sd` squared): the final evaluation's noise is part of every run's result, and an sd over 3
+seeds can land far below it by chance.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class RunSummary:
     masked: float | None
     staleness: float | None
     wall_s: float
+    eval_sd: float | None = None
     steps: list[int] = field(default_factory=list)
     reward: list[float] = field(default_factory=list)
     eval_steps: list[float] = field(default_factory=list)
@@ -93,7 +98,7 @@ def steps_to_fraction(steps: Sequence[int], smoothed: Sequence[float], fraction:
 
 
 def summarise_run(variant: str, seed: int, metrics_path: Path, heldout: float, sft_heldout: float,
-                  wall_s: float) -> RunSummary:
+                  wall_s: float, eval_sd: float | None = None) -> RunSummary:
     rows = _rows(metrics_path)
     steps = [r["step"] for r in rows if "train/reward_mean" in r]
     reward = [float(r["train/reward_mean"]) for r in rows if "train/reward_mean" in r]
@@ -110,7 +115,7 @@ def summarise_run(variant: str, seed: int, metrics_path: Path, heldout: float, s
         drawdown=largest_drawdown(smoothed), steps_to_90=steps_to_fraction(steps, smoothed),
         ev_step1=ev_step1, ev_last20=statistics.fmean(finite_evs[-20:]) if finite_evs else None,
         masked=statistics.fmean(masked) if masked else None, staleness=statistics.fmean(stale) if stale else None,
-        wall_s=wall_s, steps=steps, reward=reward, eval_steps=[s for s, _ in evaluated],
+        wall_s=wall_s, eval_sd=eval_sd, steps=steps, reward=reward, eval_steps=[s for s, _ in evaluated],
         eval_success=[v for _, v in evaluated])
 
 
@@ -179,16 +184,25 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
 )
 
 
+def _mean_and_run_variance(summaries: Sequence[RunSummary]) -> tuple[float, float, int]:
+    """Mean held-out success over seeds, the variance of one run's (sd over seeds squared, at
+    least the evaluation's own), and the number of runs."""
+    mean, sd, n = mean_sd([s.heldout for s in summaries])
+    if mean is None or sd is None:
+        raise ValueError("no held-out success in these runs")
+    eval_variances = [s.eval_sd**2 for s in summaries if s.eval_sd is not None]
+    floor = statistics.fmean(eval_variances) if eval_variances else 0.0
+    return mean, max(sd**2, floor), n
+
+
 def judge(claim: Claim, runs: dict[str, list[RunSummary]]) -> tuple[str, str]:
     """(verdict, measured) of one claim: reproduced / not reproduced / not testable at this size."""
     if claim.better is None:
         return "not testable at this size", claim.testable_note
     if claim.better not in runs or claim.worse not in runs:
         return "not testable at this size", "variant not run"
-    a = [s.heldout for s in runs[claim.better]]
-    b = [s.heldout for s in runs[claim.worse]]
-    (ma, sa, na), (mb, sb, nb) = mean_sd(a), mean_sd(b)
-    se = math.sqrt(sa**2 / na + sb**2 / nb)
+    (ma, va, na), (mb, vb, nb) = _mean_and_run_variance(runs[claim.better]), _mean_and_run_variance(runs[claim.worse])
+    se = math.sqrt(va / na + vb / nb)
     diff = ma - mb
     measured = f"{ma:.3f} vs {mb:.3f} (difference {diff:+.3f}, 2 x standard error {2 * se:.3f})"
     if diff > 2 * se:

@@ -7,7 +7,11 @@ import random
 
 import pytest
 
-from megatron_sao.reporting.heldout_noise import per_tier_noise, pooled_noise
+from megatron_sao.reporting.heldout_noise import evaluation_sd, per_tier_noise, pooled_noise
+
+
+def test_one_policys_evaluation_sd():
+    assert evaluation_sd({"a": 0.5, "b": 0.0, "all": 0.25}, {"a": 100, "b": 100}) == pytest.approx(math.sqrt(25) / 200)
 
 
 def test_one_tier_is_the_pooled_value():
@@ -40,5 +44,7 @@ def test_an_unsolved_tier_adds_nothing_and_the_bound_holds_by_simulation():
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"no success rate for tier\(s\) \['t3'\]"):
         per_tier_noise({"t0": 0.5}, {"t0": 0.6, "t3": 0.0}, {"t0": 10, "t3": 10})
+    with pytest.raises(ValueError, match="no prompts in"):
+        evaluation_sd({"t0": 0.5}, {"t0": 0})
     with pytest.raises(ValueError, match="num_prompts must be positive"):
         pooled_noise(0.5, 0.5, 0)

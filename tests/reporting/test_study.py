@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,20 @@ def test_a_claim_is_reproduced_only_beyond_twice_the_standard_error():
     assert judge(by_text[("grpo_dis", "grpo")], runs)[0] == "not reproduced (opposite sign)"
     assert judge(by_text[("sao", "sao_k1")], runs) == ("not testable at this size", "variant not run")
     assert judge(PAPER_CLAIMS[-1], runs)[0] == "not testable at this size"
+
+
+def test_the_evaluations_own_noise_floors_a_run_variance():
+    """Three seeds that happen to agree closely (sd 0.003) do not make a 0.012 difference real when
+    each final evaluation alone has an sd of 0.012 (as in the study's first verdict on value pretraining)."""
+    by_text = {c.better and (c.better, c.worse): c for c in PAPER_CLAIMS}
+    claim = by_text[("sao", "sao_no_value_pretrain")]
+    runs = {"sao": [_summary("sao", h) for h in (0.612, 0.608, 0.615)],
+            "sao_no_value_pretrain": [_summary("sao_no_value_pretrain", h) for h in (0.597, 0.602, 0.600)]}
+    assert judge(claim, runs)[0] == "reproduced"  # sd over seeds alone: 2 x se 0.005 < difference 0.012
+    floored = {v: [replace(s, eval_sd=0.012) for s in ss] for v, ss in runs.items()}
+    verdict, measured = judge(claim, floored)
+    assert verdict == "not reproduced (same sign, within noise)"
+    assert measured.endswith(f"2 x standard error {2 * math.sqrt(2 * 0.012**2 / 3):.3f})")
 
 
 def test_table_gives_mean_and_sd_and_says_what_is_missing():
