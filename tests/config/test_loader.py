@@ -21,8 +21,8 @@ def test_every_shipped_recipe_loads():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(TINY, ["actor.optim.lr=2e-6", "critic.frozen=[attention,router]", "run.name=123",
-                             "algorithm.lambda_policy=null", "parallelism.sequence_parallel=true"])
+    cfg = load_config(TINY, ["actor.optim.lr=2e-6", "actor.optim.min_lr=0", "critic.frozen=[attention,router]",
+                             "run.name=123", "algorithm.lambda_policy=null", "parallelism.sequence_parallel=true"])
     assert cfg.actor.optim.lr == 2e-6 and isinstance(cfg.actor.optim.lr, float)
     assert cfg.critic.frozen == ["attention", "router"]
     assert cfg.run.name == "123"
@@ -103,7 +103,7 @@ def test_base_recipe_chain(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(TINY, ["actor.optim.lr=3e-6"])
+    cfg = load_config(TINY, ["actor.optim.lr=3e-6", "actor.optim.min_lr=1e-7"])
     path = dump_config(cfg, tmp_path / "config.yaml")
     assert load_config(path) == cfg
 

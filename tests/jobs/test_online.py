@@ -35,3 +35,12 @@ def test_online_runs_both_estimators_and_compares_them(tmp_path):
         assert len(rows) == 6  # 3 phases x 2 steps
     page = (base / "online_report" / "index.html").read_text()
     assert "Adaptation per phase (2 steps each)" in page
+
+
+def test_online_recipe_keeps_a_constant_actor_rate():
+    """The base recipe's decaying rate (tiny_cpu.yaml, for the demo) would leave the later phases
+    of the shifting reward a smaller step than the first."""
+    from megatron_sao.config import load_config
+
+    optim = load_config(REPO / "recipes" / "tiny_cpu_online.yaml").actor.optim
+    assert (optim.lr_decay_style, optim.min_lr, optim.lr) == ("constant", 0.0, 5e-5)
