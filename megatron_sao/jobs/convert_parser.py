@@ -61,6 +61,12 @@ def _add_fastio_flag(parser: argparse.ArgumentParser) -> None:
                              "node (docs/conversion.md#fast-io)")
 
 
+def _add_io_bucket_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--io-bucket-mb", type=float_in(0.0, low_open=True), metavar="MB",
+                        default=DEFAULT_IO_BUCKET_BYTES / 2**20,
+                        help=f"{what} (default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
+
+
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out if it is a previous conversion output (atomically, at the end); "
@@ -96,11 +102,8 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     h2m.add_argument("--seed", type=int, default=1234, help="seed of an initialised value head (default 1234)")
     h2m.add_argument("--value-head-init-std", type=float_in(0.0), default=0.02,
                      help="std of an initialised value head (default 0.02)")
-    h2m.add_argument("--io-bucket-mb", type=float_in(0.0, low_open=True), metavar="MB",
-                     default=DEFAULT_IO_BUCKET_BYTES / 2**20,
-                     help="per rank, at most this many MiB of HF tensors read ahead and of tensors staged for the "
-                          "torch_dist writer: peak memory is about the rank's shard plus this "
-                          f"(default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
+    _add_io_bucket_flag(h2m, "per rank, at most this many MiB of HF tensors read ahead and of tensors staged for "
+                             "the torch_dist writer: peak memory is about the rank's shard plus this")
     h2m.add_argument("--io-threads", type=int_at_least(1), default=2,
                      help="torch_dist writer threads per rank, each writing and hashing one file (default 2)")
     _add_fastio_flag(h2m)
@@ -124,11 +127,8 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                      help="export floating tensors in this dtype (default: the source's, per tensor)")
     m2h.add_argument("--max-shard-size", type=byte_size, default=byte_size("5GB"), metavar="SIZE",
                      help="largest safetensors shard (default 5GB)")
-    m2h.add_argument("--io-bucket-mb", type=float_in(0.0, low_open=True), metavar="MB",
-                     default=DEFAULT_IO_BUCKET_BYTES / 2**20,
-                     help="with --fastio: per rank, at most this many MiB loaded ahead of the export (which gives "
-                          "each parameter's memory back once written) "
-                          f"(default {DEFAULT_IO_BUCKET_BYTES // 2**20})")
+    _add_io_bucket_flag(m2h, "with --fastio: per rank, at most this many MiB loaded ahead of the export (which "
+                             "gives each parameter's memory back once written)")
     _add_fastio_flag(m2h)
     _add_checksum_flag(m2h)
     _add_output_flags(m2h)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -74,12 +75,9 @@ def success_by_tier(trajectories: list[Any]) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in sorted(groups.items()) if v}
 
 
-def tier_counts(trajectories: list[Any]) -> dict[str, int]:
-    """Episodes (or prompt samples) per `metadata["tier"]` (`{"all": N}` when the prompts name no tier)."""
-    counts: dict[str, int] = {}
-    for t in trajectories:
-        tier = str(t.metadata["tier"]) if "tier" in t.metadata else "all"
-        counts[tier] = counts.get(tier, 0) + 1
+def tier_counts(samples: list[Any]) -> dict[str, int]:
+    """Prompt samples (or their episodes) per `metadata["tier"]` (`{"all": N}` when the prompts name no tier)."""
+    counts = Counter(str(s.metadata.get("tier", "all")) for s in samples)
     return dict(sorted(counts.items()))
 
 
@@ -106,7 +104,7 @@ def run_demo(config: SaoConfig, plan: DemoPlan | None = None) -> int:
     episodes = {name: rollout_heldout(rl, path, heldout, base / f"eval_{name}")
                 for name, path in (("sft", sft_hf), ("sao", sao_hf))}
     by_tier = {name: success_by_tier(trajectories) for name, trajectories in episodes.items()}
-    counts = tier_counts(episodes["sft"])
+    counts = tier_counts(heldout)
     scores = {name: tiers["all"] for name, tiers in by_tier.items()}
     noise = {"pooled": pooled_noise(scores["sft"], scores["sao"], len(heldout)),
              "per_tier": per_tier_noise(by_tier["sft"], by_tier["sao"], counts)}

@@ -28,18 +28,17 @@ def _reported(value: object) -> bool:
 
 
 def heldout_tier_counts(held: dict, seed: int) -> dict[str, int]:
+    """Prompts per tier: from `heldout.json`, or regenerated from the seed for runs older than it."""
     if "tier_counts" in held:
         return held["tier_counts"]
     import tempfile
 
+    from megatron_sao.jobs.demo import tier_counts
     from megatron_sao.jobs.demo_plan import DemoPlan, prompt_files
 
     with tempfile.TemporaryDirectory() as tmp:
         _, heldout = prompt_files(Path(tmp), DemoPlan(num_heldout_prompts=held["num_prompts"]), seed)
-    counts: dict[str, int] = {}
-    for sample in heldout:
-        counts[sample.metadata["tier"]] = counts.get(sample.metadata["tier"], 0) + 1
-    return counts
+    return tier_counts(heldout)
 
 
 def summarise_run(run_dir: Path, seed: int, repeat: int, wall: int) -> dict:
